@@ -1,0 +1,52 @@
+"""mcore-hooks: Megatron Core's ``output_processor`` hook on every supported release and model class.
+
+Public API (everything else is internal):
+
+* :class:`PostprocessProcessor` — subclass it and implement ``process(ctx)``;
+* :class:`PostprocessContext` — the hook's keywords plus derived facts (TP rank, vocab range, ...);
+* :class:`DefaultProcessor` — reproduces the stock output through the hook;
+* :func:`enable_output_processor`, :func:`supports_output_processor`, :func:`hooked_class`;
+* ``HookedGPTModel``, ``HookedHybridModel``, ``HookedMambaModel`` — classes to build directly
+  (the stock class itself where it already has the hook);
+* :func:`check_output_processor`, ``OUTPUT_PROCESSOR_KEYWORDS`` — the call convention.
+
+``mcore_hooks.testing`` holds tiny CPU models and a multi-rank launcher for tests; ``mcore-hooks
+verify`` (or ``python -m mcore_hooks verify``) checks the bundled processors against stock.
+"""
+
+from typing import Any
+
+from .postprocess import (
+    OUTPUT_PROCESSOR_KEYWORDS,
+    DefaultProcessor,
+    PostprocessContext,
+    PostprocessProcessor,
+    check_output_processor,
+    enable_output_processor,
+    hooked_class,
+    supports_output_processor,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "OUTPUT_PROCESSOR_KEYWORDS",
+    "DefaultProcessor",
+    "PostprocessContext",
+    "PostprocessProcessor",
+    "check_output_processor",
+    "enable_output_processor",
+    "hooked_class",
+    "supports_output_processor",
+    "HookedGPTModel",
+    "HookedHybridModel",
+    "HookedMambaModel",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("HookedGPTModel", "HookedHybridModel", "HookedMambaModel"):
+        from . import postprocess
+
+        return getattr(postprocess, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

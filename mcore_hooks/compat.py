@@ -1,0 +1,327 @@
+"""Everything that depends on which Megatron Core release is installed, in one place.
+
+Found by feature detection (does a class exist, does a ``forward`` take a keyword), never by
+version strings. Three things live here:
+
+* discovery of the language-model classes the hook is delivered for (GPTModel, HybridModel,
+  MambaModel) and of whether a class already has upstream's hook (Megatron Core >= 0.18 GPTModel);
+* upstream's call convention: the 16 keywords a processor is called with, and the check that a
+  processor can take them;
+* :class:`BackportHookMixin`, which delivers that exact call on classes without the hook.
+
+How the backport works, and why this way: the stock ``forward`` of every supported class ends by
+calling ``self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=...)`` and
+then turning the logits into the returned loss or logits. The mixin runs the *stock* ``forward``
+unchanged and, for that one call only, installs a forward pre-hook on the model's own
+``output_layer`` instance (nothing global, removed in ``finally``) that calls the processor with the
+same hidden states and weight the output layer would have used, then unwinds the stock ``forward``
+with the result. No Megatron code is copied, so embedding, decoder, sequence-parallel scatter and
+packed-sequence handling stay exactly stock; the pre-hook runs after any pre-hooks already on the
+output layer (e.g. the distributed optimizer's parameter all-gather wait), so the processor sees the
+weights the stock output layer would have seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+# Upstream's keyword set (Megatron Core >= 0.18, ``GPTModel._postprocess``), in upstream's order.
+OUTPUT_PROCESSOR_KEYWORDS: tuple[str, ...] = (
+    "hidden_states",
+    "output_layer",
+    "output_weight",
+    "labels",
+    "loss_mask",
+    "input_ids",
+    "position_ids",
+    "attention_mask",
+    "decoder_input",
+    "inference_context",
+    "packed_seq_params",
+    "runtime_gather_output",
+    "context",
+    "compute_language_model_loss",
+    "scale_logits",
+    "config",
+)
+
+
+# --------------------------------------------------------------------------- class discovery
+
+
+def _import(module: str, name: str) -> Optional[type]:
+    try:
+        mod = __import__(module, fromlist=[name])
+    except ImportError:
+        return None
+    return getattr(mod, name, None)
+
+
+@functools.lru_cache(maxsize=None)
+def language_model_classes() -> dict[str, type]:
+    """The supported Megatron Core language-model classes that the installed release has."""
+    found = {
+        "GPTModel": _import("megatron.core.models.gpt.gpt_model", "GPTModel"),
+        "HybridModel": _import("megatron.core.models.hybrid.hybrid_model", "HybridModel"),
+        "MambaModel": _import("megatron.core.models.mamba.mamba_model", "MambaModel"),
+    }
+    return {name: cls for name, cls in found.items() if cls is not None}
+
+
+def is_language_model_class(cls: type) -> bool:
+    """Whether ``cls`` is (a subclass of) a supported Megatron Core language model."""
+    return isinstance(cls, type) and issubclass(cls, tuple(language_model_classes().values()))
+
+
+def forward_accepts(cls: type, keyword: str) -> bool:
+    """Whether ``cls.forward`` takes ``keyword`` by name (not merely through ``**kwargs``)."""
+    try:
+        params = inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    p = params.get(keyword)
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+
+def has_native_hook(cls: type) -> bool:
+    """Whether stock ``cls.forward`` already takes upstream's ``output_processor`` keyword."""
+    return not issubclass(cls, BackportHookMixin) and forward_accepts(cls, "output_processor")
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The language model inside DDP / Float16Module / torch DDP wrappers (they all hold ``.module``).
+
+    Raises TypeError naming the argument when no supported language model is found.
+    """
+    inner: Any = model
+    seen = 0
+    while not is_language_model_class(type(inner)):
+        nxt = getattr(inner, "module", None)
+        if not isinstance(nxt, torch.nn.Module) or seen > 16:
+            names = ", ".join(language_model_classes()) or "none found"
+            raise TypeError(
+                f"model: expected a Megatron Core language model ({names}) or a wrapper holding "
+                f"one in `.module` (DistributedDataParallel, Float16Module), got "
+                f"{type(model).__name__}"
+            )
+        inner, seen = nxt, seen + 1
+    return inner
+
+
+# --------------------------------------------------------------------------- the call convention
+
+
+def check_output_processor(processor: Any) -> None:
+    """Raise TypeError, naming ``output_processor``, unless it can be called with upstream's keywords.
+
+    A processor must accept all 16 keywords by name (or ``**kwargs``, which also keeps it forward
+    compatible with keywords a later Megatron Core may add) and require no other argument.
+    """
+    if not callable(processor):
+        raise TypeError(
+            f"output_processor: expected a callable taking Megatron Core's output_processor "
+            f"keywords, got {type(processor).__name__}"
+        )
+    target = processor
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check
+        return
+    params = sig.parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        missing: list[str] = []
+    else:
+        named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        missing = [k for k in OUTPUT_PROCESSOR_KEYWORDS if k not in named]
+    required = [
+        p.name
+        for p in params
+        if p.default is p.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and p.name not in OUTPUT_PROCESSOR_KEYWORDS
+    ]
+    if missing or required:
+        why = []
+        if missing:
+            why.append(f"does not accept the keyword(s) {', '.join(missing)}")
+        if required:
+            why.append(f"requires argument(s) the hook never passes: {', '.join(required)}")
+        raise TypeError(
+            f"output_processor {processor!r} {'; '.join(why)}. A processor is called with the "
+            f"keywords {', '.join(OUTPUT_PROCESSOR_KEYWORDS)}; take `**kwargs` to accept them all."
+        )
+
+
+def identity_scale_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``scale_logits`` on releases whose stock forward applies no MuP output scaling (< 0.17)."""
+    return logits
+
+
+def scale_logits_of(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    # Releases that have LanguageModule._scale_logits (0.17+) apply it in every stock forward that
+    # the backport serves (GPTModel 0.17, MambaModel 0.17+, HybridModel); older ones scale nothing.
+    return getattr(model, "_scale_logits", identity_scale_logits)
+
+
+def mtp_enabled(model: torch.nn.Module) -> bool:
+    return bool(getattr(model.config, "mtp_num_layers", None))
+
+
+@contextlib.contextmanager
+def full_sequence_logits(inference_context: Any) -> Iterator[None]:
+    """Keep stock inference code from slicing hidden states to the last token before the hook.
+
+    Upstream calls the processor before that slicing; the backport intercepts at the output layer,
+    after it, so it switches the context's flag off for the call. The flag sits on the context
+    before 0.17 and on ``context.config`` from 0.17.
+    """
+    holder = None
+    for obj in (inference_context, getattr(inference_context, "config", None)):
+        if obj is not None and getattr(obj, "materialize_only_last_token_logits", False) is True:
+            holder = obj
+            break
+    if holder is None:
+        yield
+        return
+    holder.materialize_only_last_token_logits = False
+    try:
+        yield
+    finally:
+        holder.materialize_only_last_token_logits = True
+
+
+# --------------------------------------------------------------------------- the backport
+
+_IN_OUTPUT_LAYER_PRE_HOOK = contextvars.ContextVar("mcore_hooks_in_output_layer_pre_hook", default=False)
+
+
+def called_from_output_layer_pre_hook() -> bool:
+    """True while the backport runs a processor from the output layer's pre-hooks.
+
+    Then the pre-hooks registered before it (e.g. the distributed optimizer's parameter all-gather
+    wait) have already run for this forward.
+    """
+    return _IN_OUTPUT_LAYER_PRE_HOOK.get()
+
+
+class _ProcessorResult(BaseException):
+    """Carries the processor's result out of the stock forward.
+
+    A BaseException so that no ``except Exception`` in stock code between the output layer and
+    our ``forward`` can swallow it.
+    """
+
+    def __init__(self, value: Any) -> None:
+        super().__init__()
+        self.value = value
+
+
+class BackportHookMixin:
+    """Adds upstream's ``output_processor`` / ``output_processor_context`` keywords to ``forward``.
+
+    Put first in the bases of a Megatron Core language-model class that lacks them. With
+    ``output_processor=None`` the stock ``forward`` runs untouched (bit-identical results).
+    """
+
+    def forward(
+        self,
+        *args: Any,
+        output_processor: Optional[Callable[..., Any]] = None,
+        output_processor_context: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> Any:
+        stock_forward = super().forward  # type: ignore[misc]
+        if output_processor is None:
+            return stock_forward(*args, **kwargs)
+        check_output_processor(output_processor)
+        model: Any = self
+        if mtp_enabled(model):
+            raise NotImplementedError(
+                "output_processor with multi-token prediction (config.mtp_num_layers) is not "
+                f"supported on {type(self).__name__} by this Megatron Core release's backport: the "
+                "stock MTP loss calls the output layer once per depth before the main call."
+            )
+        try:
+            bound = inspect.signature(stock_forward).bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{type(self).__name__}.forward: {e}") from None
+        bound.apply_defaults()
+        a = bound.arguments
+        inference_context = a.get("inference_context")
+        if inference_context is None:
+            inference_context = a.get("inference_params")
+        # decoder_input in the protocol is the decoder's input as the model's preprocessing built it
+        # (the embedding output, or the caller's decoder_input, or None on non-first stages).
+        seen: dict[str, Any] = {}
+
+        def capture_decoder_input(_m: Any, d_args: tuple, d_kwargs: dict) -> None:
+            seen["decoder_input"] = d_kwargs.get("hidden_states", d_args[0] if d_args else None)
+
+        def call_processor(layer: Any, o_args: tuple, o_kwargs: dict) -> None:
+            if "fired" in seen:  # the processor itself may run the output layer (ctx.logits())
+                return
+            seen["fired"] = True
+            token = _IN_OUTPUT_LAYER_PRE_HOOK.set(True)
+            try:
+                result = output_processor(
+                    hidden_states=o_args[0] if o_args else o_kwargs.get("input_"),
+                    output_layer=layer,
+                    output_weight=o_kwargs.get("weight"),
+                    labels=a.get("labels"),
+                    loss_mask=a.get("loss_mask"),
+                    input_ids=a.get("input_ids"),
+                    position_ids=a.get("position_ids"),
+                    attention_mask=a.get("attention_mask"),
+                    decoder_input=seen.get("decoder_input"),
+                    inference_context=inference_context,
+                    packed_seq_params=a.get("packed_seq_params"),
+                    runtime_gather_output=a.get("runtime_gather_output"),
+                    context=output_processor_context,
+                    compute_language_model_loss=model.compute_language_model_loss,
+                    scale_logits=scale_logits_of(model),
+                    config=model.config,
+                )
+            finally:
+                _IN_OUTPUT_LAYER_PRE_HOOK.reset(token)
+            raise _ProcessorResult(result)
+
+        handles = []
+        if getattr(model, "decoder", None) is not None:
+            handles.append(
+                model.decoder.register_forward_pre_hook(capture_decoder_input, with_kwargs=True)
+            )
+        if getattr(model, "post_process", False):
+            handles.append(
+                model.output_layer.register_forward_pre_hook(call_processor, with_kwargs=True)
+            )
+        try:
+            with full_sequence_logits(inference_context):
+                out = stock_forward(*args, **kwargs)
+        except _ProcessorResult as done:
+            return done.value
+        finally:
+            for h in handles:
+                h.remove()
+        if getattr(model, "post_process", False):
+            raise RuntimeError(
+                f"{type(self).__name__}.forward returned without reaching its output layer, so "
+                "output_processor was not called; this path is not supported by the backport"
+            )
+        return out  # not the last pipeline stage: hidden states, processor never runs
+
+
+@functools.lru_cache(maxsize=None)
+def backport_class(cls: type) -> type:
+    """``cls`` with :class:`BackportHookMixin` in front; one class per ``cls``, same constructor."""
+    name = cls.__name__ if cls.__name__.startswith("Hooked") else f"Hooked{cls.__name__}"
+    return type(
+        name,
+        (BackportHookMixin, cls),
+        {"__module__": "mcore_hooks.postprocess", "__qualname__": name, "__doc__": cls.__doc__},
+    )

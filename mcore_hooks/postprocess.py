@@ -1,0 +1,229 @@
+"""The ``output_processor`` protocol: context, processor base class, and enabling the hook.
+
+The call convention is Megatron Core's own (>= 0.18, ``GPTModel.forward(..., output_processor=,
+output_processor_context=)``): after the decoder (and the MTP step) the last pipeline stage calls
+``output_processor(**OUTPUT_PROCESSOR_KEYWORDS)`` instead of its output layer and returns what the
+processor returns. :func:`enable_output_processor` makes the same call happen on every supported
+release and class; code written against this module runs unchanged on stock Megatron Core >= 0.18
+GPTModel.
+
+Contract (documented and tested): the processor never runs on non-last pipeline stages (they return
+hidden states); ``hidden_states`` are ``[s, b, h]``, ``[s/tp, b, h]`` when sequence parallel is on,
+and context-parallel local under CP; a processor that ignores a keyword must still accept it.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, Mapping, Optional, TypeVar, Union
+
+import torch
+
+from . import compat
+from .compat import OUTPUT_PROCESSOR_KEYWORDS, check_output_processor
+
+__all__ = [
+    "OUTPUT_PROCESSOR_KEYWORDS",
+    "PostprocessContext",
+    "PostprocessProcessor",
+    "DefaultProcessor",
+    "enable_output_processor",
+    "supports_output_processor",
+    "hooked_class",
+    "check_output_processor",
+]
+
+
+def _group_rank_size(group: Any) -> tuple[int, int]:
+    if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 0, 1
+    return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+
+
+def _context_parallel_group(config: Any) -> Any:
+    if getattr(config, "context_parallel_size", 1) <= 1:
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group()
+
+
+@dataclasses.dataclass(frozen=True)
+class PostprocessContext:
+    """The 16 keywords of one ``output_processor`` call, plus the facts a processor derives from them.
+
+    Build it with :meth:`from_kwargs`. ``extra`` keeps keywords a later Megatron Core may add.
+    """
+
+    # Upstream's keywords.
+    hidden_states: torch.Tensor
+    output_layer: torch.nn.Module
+    output_weight: Optional[torch.Tensor]
+    labels: Optional[torch.Tensor]
+    loss_mask: Optional[torch.Tensor]
+    input_ids: Optional[torch.Tensor]
+    position_ids: Optional[torch.Tensor]
+    attention_mask: Optional[torch.Tensor]
+    decoder_input: Optional[torch.Tensor]
+    inference_context: Any
+    packed_seq_params: Any
+    runtime_gather_output: Optional[bool]
+    context: Any
+    compute_language_model_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    scale_logits: Callable[[torch.Tensor], torch.Tensor]
+    config: Any
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Derived.
+    weight: torch.Tensor = dataclasses.field(default=None)  # type: ignore[assignment]
+    tp_group: Any = None
+    tp_rank: int = 0
+    tp_size: int = 1
+    vocab_start: int = 0
+    vocab_end: int = 0
+    sequence_parallel: bool = False
+    cp_group: Any = None
+    cp_size: int = 1
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "PostprocessContext":
+        """Build the context from the keywords the hook passed; TypeError names any missing one."""
+        missing = [k for k in OUTPUT_PROCESSOR_KEYWORDS if k not in kwargs]
+        if missing:
+            raise TypeError(
+                f"output_processor call is missing keyword(s) {', '.join(missing)}; the hook "
+                f"passes {', '.join(OUTPUT_PROCESSOR_KEYWORDS)}"
+            )
+        known = {k: kwargs[k] for k in OUTPUT_PROCESSOR_KEYWORDS}
+        extra = {k: v for k, v in kwargs.items() if k not in known}
+        layer = known["output_layer"]
+        # Tied embeddings pass the embedding's weight; otherwise the output layer owns it.
+        weight = known["output_weight"] if known["output_weight"] is not None else layer.weight
+        tp_group = getattr(layer, "tp_group", None)
+        tp_rank, tp_size = _group_rank_size(tp_group)
+        local_vocab = weight.shape[0]
+        cp_group = _context_parallel_group(known["config"])
+        return cls(
+            **known,
+            extra=extra,
+            weight=weight,
+            tp_group=tp_group,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            vocab_start=tp_rank * local_vocab,
+            vocab_end=(tp_rank + 1) * local_vocab,
+            sequence_parallel=bool(getattr(layer, "sequence_parallel", False)) and tp_size > 1,
+            cp_group=cp_group,
+            cp_size=_group_rank_size(cp_group)[1],
+        )
+
+    def logits(self) -> torch.Tensor:
+        """The stock logits ``[s, b, vocab/tp]`` (or gathered): output layer, then MuP scaling."""
+        logits, _ = self.output_layer(
+            self.hidden_states,
+            weight=self.output_weight,
+            runtime_gather_output=self.runtime_gather_output,
+        )
+        return self.scale_logits(logits)
+
+    def default(self) -> torch.Tensor:
+        """Exactly what the stock model returns: logits ``[b, s, v]`` without labels, else loss."""
+        logits = self.logits()
+        if self.labels is None:
+            return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v], as stock
+        return self.compute_language_model_loss(self.labels, logits)
+
+
+class PostprocessProcessor(abc.ABC):
+    """Base class for output processors: subclass it and implement :meth:`process`.
+
+    Instances are the callables passed as ``output_processor=``; ``__call__`` takes only keywords,
+    builds a :class:`PostprocessContext` and hands it to :meth:`process`. Arguments specific to an
+    objective (temperature, masks, ...) belong in the subclass's constructor or in
+    ``output_processor_context``, never in ``forward``.
+    """
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return self.process(PostprocessContext.from_kwargs(kwargs))
+
+    @abc.abstractmethod
+    def process(self, ctx: PostprocessContext) -> Any:
+        """Return the model's output for this forward (a tensor, tuple of tensors, or dict)."""
+
+
+class DefaultProcessor(PostprocessProcessor):
+    """Reproduces the stock output through the hook: logits without labels, the loss with them."""
+
+    def process(self, ctx: PostprocessContext) -> torch.Tensor:
+        return ctx.default()
+
+
+# --------------------------------------------------------------------------- enabling the hook
+
+ModelT = TypeVar("ModelT", bound=Union[torch.nn.Module, list, tuple])
+
+
+def hooked_class(cls: type) -> type:
+    """The class to build for a model whose ``forward`` takes ``output_processor``.
+
+    ``cls`` itself where it already has upstream's hook (GPTModel on Megatron Core >= 0.18),
+    otherwise a subclass adding it, with the same constructor and state dict.
+    """
+    if not compat.is_language_model_class(cls):
+        names = ", ".join(compat.language_model_classes())
+        raise TypeError(f"cls: expected a subclass of {names}, got {cls!r}")
+    if compat.has_native_hook(cls) or issubclass(cls, compat.BackportHookMixin):
+        return cls
+    return compat.backport_class(cls)
+
+
+def supports_output_processor(model: torch.nn.Module) -> bool:
+    """Whether ``model.forward(..., output_processor=...)`` works as upstream's hook (by detection).
+
+    Looks through DDP / Float16Module wrappers; False for anything that is not a supported
+    Megatron Core language model.
+    """
+    try:
+        inner = compat.unwrap_model(model)
+    except TypeError:
+        return False
+    return compat.forward_accepts(type(inner), "output_processor")
+
+
+def enable_output_processor(model: ModelT) -> ModelT:
+    """Make ``model.forward(..., output_processor=...)`` work on the installed Megatron Core.
+
+    ``model`` is a GPTModel, HybridModel or MambaModel (or subclass), possibly inside DDP /
+    Float16Module wrappers, or a list of such model chunks (virtual pipeline). Where the class
+    already has the hook nothing changes; otherwise only this instance's class is switched to
+    :func:`hooked_class` (never a global patch). Idempotent; returns ``model``.
+    """
+    if isinstance(model, (list, tuple)):
+        for chunk in model:
+            enable_output_processor(chunk)
+        return model
+    inner = compat.unwrap_model(model)
+    target = hooked_class(type(inner))
+    if target is not type(inner):
+        inner.__class__ = target
+    return model
+
+
+def __getattr__(name: str) -> type:
+    # HookedGPTModel / HookedHybridModel / HookedMambaModel, made on first use for the installed
+    # release; absent classes get an error that says which release has them.
+    if name.startswith("Hooked") and name.endswith("Model"):
+        base = name[len("Hooked") :]
+        classes = compat.language_model_classes()
+        if base in classes:
+            cls = hooked_class(classes[base])
+            globals()[name] = cls
+            return cls
+        if base in ("GPTModel", "HybridModel", "MambaModel"):
+            import megatron.core
+
+            raise AttributeError(
+                f"{name}: the installed Megatron Core {megatron.core.__version__} has no {base}"
+                + (" (HybridModel arrived in 0.18)" if base == "HybridModel" else "")
+            )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,5 @@
+"""Bundled output processors: pass an instance as ``output_processor=``."""
+
+from ..postprocess import DefaultProcessor
+
+__all__ = ["DefaultProcessor"]
