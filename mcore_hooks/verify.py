@@ -18,6 +18,12 @@ import torch
 
 from . import compat
 from .postprocess import DefaultProcessor, hooked_class
+from .processors import (
+    EntropyProcessor,
+    FusedLogprobProcessor,
+    LinearCEProcessor,
+    LogprobEntropyProcessor,
+)
 from .testing import (
     TinyModelConfig,
     available_model_classes,
@@ -47,10 +53,46 @@ def _stock(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return model(**batch)
 
 
+def _stock_logprob(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    return -model(**batch)  # the stock per-token loss is -log p(label)
+
+
+def _stock_entropy(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """Entropy from the stock, gathered logits with a float64 log-softmax."""
+    kwargs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**kwargs, runtime_gather_output=True)
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return -(logp.exp() * logp).sum(-1).float()
+
+
+def _stock_logprob_entropy(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    return torch.stack([_stock_logprob(model, batch), _stock_entropy(model, batch)])
+
+
+def _stock_masked_sum(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    loss = model(**batch)
+    mask = batch.get("loss_mask")
+    return (loss * mask).sum() if mask is not None else loss.sum()
+
+
+# fp32 tolerance for the fused processors: they sum in a different order than stock.
+_FP32 = 1e-5
+
 PROCESSOR_CHECKS: tuple[ProcessorCheck, ...] = (
     ProcessorCheck("hook off (None), loss", lambda: None, _stock, with_labels=True),
     ProcessorCheck("DefaultProcessor, loss", DefaultProcessor, _stock, with_labels=True),
     ProcessorCheck("DefaultProcessor, logits", DefaultProcessor, _stock, with_labels=False),
+    ProcessorCheck("FusedLogprobProcessor", FusedLogprobProcessor, _stock_logprob, True, _FP32),
+    ProcessorCheck("EntropyProcessor", EntropyProcessor, _stock_entropy, False, _FP32),
+    ProcessorCheck(
+        "LogprobEntropyProcessor", lambda: LogprobEntropyProcessor(as_tuple=True),
+        _stock_logprob_entropy, True, _FP32,
+    ),
+    ProcessorCheck("LinearCEProcessor", LinearCEProcessor, _stock, True, _FP32),
+    ProcessorCheck(
+        "LinearCEProcessor, sum", lambda: LinearCEProcessor(reduction="sum"),
+        _stock_masked_sum, True, _FP32,
+    ),
 )
 
 

@@ -1,0 +1,148 @@
+"""The math behind the processors, on plain tensors and process groups (no models).
+
+One entry point, :func:`linear_logprob_entropy`: per-token log-probability of the labels and entropy
+of ``softmax(scale * hidden @ weight.T / temperature)`` over a vocabulary that may be split across
+the tensor-parallel group, without materialising ``[tokens, vocab]`` logits. It checks its inputs
+and dispatches to a backend (``torch``: chunked, CPU and GPU).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from .options import VocabParallel
+
+__all__ = ["VocabParallel", "LogprobEntropy", "linear_logprob_entropy", "BACKENDS", "default_chunk_size"]
+
+BACKENDS = ("auto", "torch")
+
+# Elements of one chunk's fp32 logits [chunk, V_local] the torch backend aims for (256 MiB).
+_CHUNK_ELEMENTS = 1 << 26
+
+
+class LogprobEntropy(NamedTuple):
+    """Float32 ``[N]`` per token; ``logprob`` is None when no labels were given."""
+
+    logprob: Optional[torch.Tensor]
+    entropy: torch.Tensor
+    logz: torch.Tensor
+
+
+def default_chunk_size(local_vocab: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(1, local_vocab))
+
+
+def _world(group) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def linear_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: Optional[torch.Tensor] = None,
+    *,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    logit_scale: float = 1.0,
+    ignore_index: int = -100,
+    parallel: VocabParallel = VocabParallel(),
+    chunk_size: Optional[int] = None,
+    backend: str = "auto",
+) -> LogprobEntropy:
+    """Per-token log-prob of ``labels`` and entropy, float32 ``[N]``, differentiable.
+
+    Args:
+        hidden: ``[N, H]`` hidden states, float32/bf16/fp16 (with ``parallel.sequence_parallel``,
+            this rank's ``[N/tp, H]`` token shard; the outputs cover all ``N`` tokens).
+        weight: ``[V_local, H]``, this rank's vocabulary shard, same dtype and device as ``hidden``.
+        labels: ``[N]`` integer global vocabulary ids, or None for entropy only. Positions equal to
+            ``ignore_index`` give 0 and no gradient (for log-prob and entropy alike).
+        temperature: a positive float, or a float tensor ``[N]``, dividing the logits.
+        logit_scale: a factor on the logits before the temperature (Megatron's MuP output scaling).
+        parallel: the vocab-parallel layout (:class:`VocabParallel`).
+        chunk_size: tokens per chunk (default: about 2**26 logits per chunk).
+        backend: ``"auto"`` or ``"torch"``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"{name}: expected float32, bfloat16 or float16, got {t.dtype}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden: hidden size {hidden.shape[1]} does not match weight's {weight.shape[1]} "
+            f"(weight is [vocab/tp, hidden] = {tuple(weight.shape)})"
+        )
+    if hidden.dtype != weight.dtype or hidden.device != weight.device:
+        raise TypeError(
+            f"hidden: dtype/device {hidden.dtype}/{hidden.device} differ from weight's "
+            f"{weight.dtype}/{weight.device}"
+        )
+    _, tp = _world(parallel.group)
+    sp = parallel.sequence_parallel and tp > 1
+    n = hidden.shape[0] * (tp if sp else 1)
+    v_total = weight.shape[0] * tp
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index: expected an int, got {type(ignore_index).__name__}")
+    if 0 <= ignore_index < v_total:
+        raise ValueError(
+            f"ignore_index: {ignore_index} is a vocabulary id (vocab size {v_total}); use a "
+            f"negative value such as -100"
+        )
+    if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale) and logit_scale > 0):
+        raise ValueError(f"logit_scale: expected a positive finite float, got {logit_scale!r}")
+    if chunk_size is None:
+        chunk_size = default_chunk_size(weight.shape[0])
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+
+    dev = hidden.device
+    if labels is None:
+        gl = torch.full((n,), -1, dtype=torch.long, device=dev)
+        valid = torch.ones(n, dtype=torch.bool, device=dev)
+    else:
+        if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+            raise TypeError(f"labels: expected an integer tensor, got {getattr(labels, 'dtype', type(labels).__name__)}")
+        if labels.shape != (n,):
+            raise ValueError(f"labels: expected shape ({n},) (one per token), got {tuple(labels.shape)}")
+        gl = labels.to(device=dev, dtype=torch.long)
+        valid = gl != ignore_index
+        bad = valid & ((gl < 0) | (gl >= v_total))
+        if bool(bad.any()):
+            raise ValueError(
+                f"labels: {int(bad.sum())} id(s) outside [0, {v_total}) and not ignore_index="
+                f"{ignore_index}, e.g. {int(gl[bad][0])}"
+            )
+    temp = _temperature(temperature, n, dev)
+
+    from .torch_chunked import linear_log_softmax_stats
+
+    logprob, entropy, logz = linear_log_softmax_stats(
+        hidden, weight, gl, temp, valid,
+        scale=float(logit_scale), parallel=parallel, chunk_size=chunk_size,
+    )
+    return LogprobEntropy(logprob if labels is not None else None, entropy, logz)
+
+
+def _temperature(temperature: Union[float, torch.Tensor], n: int, dev: torch.device) -> torch.Tensor:
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.dtype.is_floating_point:
+            raise TypeError(f"temperature: expected a float tensor, got {temperature.dtype}")
+        if temperature.shape != (n,):
+            raise ValueError(f"temperature: expected a float or shape ({n},), got {tuple(temperature.shape)}")
+        t = temperature.detach().to(device=dev, dtype=torch.float32)
+        if not bool(torch.isfinite(t).all() & (t > 0).all()):
+            raise ValueError("temperature: every value must be positive and finite")
+        return t
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature: expected a float or tensor, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature: expected a positive finite value, got {temperature!r}")
+    return torch.full((n,), float(temperature), dtype=torch.float32, device=dev)

@@ -1,0 +1,261 @@
+"""The kernel on plain tensors: exactness against float64, edge cases, bad input, memory."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mcore_hooks.kernels import VocabParallel, linear_logprob_entropy
+from mcore_hooks.testing import run_on_ranks
+
+
+def reference(x, w, labels, temperature=1.0, scale=1.0, ignore_index=-100):
+    """float64 log-prob of the labels and entropy, masked like the kernel."""
+    t = temperature.double() if torch.is_tensor(temperature) else float(temperature)
+    logits = (x.double() @ w.double().t()) * scale
+    logits = logits / (t.unsqueeze(1) if torch.is_tensor(t) else t)
+    logp = torch.log_softmax(logits, dim=-1)
+    valid = labels != ignore_index
+    lp = logp.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1)
+    ent = -(logp.exp() * logp).sum(-1)
+    zero = torch.zeros_like(lp)
+    return torch.where(valid, lp, zero), torch.where(valid, ent, zero)
+
+
+def rel(a, b):
+    b = b.double()
+    return ((a.double() - b).norm() / b.norm().clamp(min=1e-300)).item()
+
+
+def _grads(x, w, labels, g_lp, g_ent, **kw):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    r = linear_logprob_entropy(x, w, labels, **kw)
+    (r.logprob * g_lp + r.entropy * g_ent).sum().backward()
+    return r, x.grad, w.grad
+
+
+def _ref_grads(x, w, labels, g_lp, g_ent, temperature=1.0, scale=1.0):
+    x = x.detach().double().requires_grad_()
+    w = w.detach().double().requires_grad_()
+    lp, ent = reference(x, w, labels, temperature, scale)
+    (lp * g_lp.double() + ent * g_ent.double()).sum().backward()
+    return lp, ent, x.grad, w.grad
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    n=st.integers(1, 48),
+    # primes, and 129920 / 151936 / 248320 scaled down by 128 (divisible by nothing useful)
+    vocab=st.sampled_from([1, 2, 7, 97, 257, 1015, 1187, 1299, 1940]),
+    hidden=st.sampled_from([1, 8, 24]),
+    chunk=st.integers(1, 64),
+    temperature=st.one_of(st.floats(0.05, 5.0), st.just("per-token")),
+    ignore_density=st.floats(0.0, 1.0),
+    scale=st.sampled_from([1.0, 0.25, 3.0]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_float64_values_and_gradients(
+    n, vocab, hidden, chunk, temperature, ignore_density, scale, dtype, seed
+):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, hidden, generator=g).to(dtype)
+    w = (torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden)).to(dtype)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < ignore_density] = -100
+    temp = torch.rand(n, generator=g) + 0.2 if temperature == "per-token" else temperature
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    r, dx, dw = _grads(x, w, labels, g_lp, g_ent, temperature=temp, logit_scale=scale, chunk_size=chunk)
+    assert r.logprob.dtype == torch.float32 and r.entropy.dtype == torch.float32
+    lp, ent, rdx, rdw = _ref_grads(x, w, labels, g_lp, g_ent, temp, scale)
+    assert r.logprob.dtype == torch.float32 and r.logprob.shape == (n,)
+    assert (r.logprob.double() - lp).abs().max() <= 1e-5 * (1 + lp.abs().max())
+    assert (r.entropy.double() - ent).abs().max() <= 1e-5 * (1 + ent.abs().max())
+    assert dx.dtype == dtype and dw.dtype == dtype
+    # Values keep fp32 logits whatever the input dtype; gradients go through matmuls in the
+    # input dtype (as stock's do), so they carry its rounding.
+    grad_tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    if rdx.norm() > 0:
+        assert rel(dx, rdx) < grad_tol
+        assert rel(dw, rdw) < grad_tol
+    ignored = labels == -100
+    assert torch.all(r.logprob[ignored] == 0) and torch.all(r.entropy[ignored] == 0)
+    assert torch.all(dx[ignored] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["ordinary", "huge", "all-negative"])
+def test_low_precision_is_at_least_as_accurate_as_stock(dtype, case):
+    """bf16/fp16 inputs: logits stay fp32 in the kernel; stock rounds them to the input dtype."""
+    g = torch.Generator().manual_seed(3)
+    n, vocab, hidden = 64, 1031, 64
+    x = torch.randn(n, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden)
+    if case == "huge":
+        w = w * 60.0  # logits of magnitude ~500
+    if case == "all-negative":
+        x = x * 0.01
+        bias_dir = torch.randn(hidden, generator=g)
+        x = x + bias_dir
+        w = w * 0.01 - 60.0 * bias_dir / bias_dir.square().sum()  # every logit near -60
+    x, w = x.to(dtype), w.to(dtype)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    lp_ref, ent_ref = reference(x, w, labels)
+    r = linear_logprob_entropy(x, w, labels)
+    stock_logits = (x @ w.t()).float()  # what Megatron's CE sees: logits rounded to dtype
+    stock_logp = torch.log_softmax(stock_logits, -1)
+    stock_lp = stock_logp.gather(1, labels.unsqueeze(1)).squeeze(1)
+    stock_ent = -(stock_logp.exp() * stock_logp).sum(-1)
+    assert torch.isfinite(r.logprob).all() and torch.isfinite(r.entropy).all()
+    assert rel(r.logprob, lp_ref) <= rel(stock_lp, lp_ref) + 1e-7
+    assert rel(r.entropy, ent_ref) <= rel(stock_ent, ent_ref) + 1e-7
+    assert rel(r.logprob, lp_ref) < 1e-5 and rel(r.entropy, ent_ref) < 1e-4
+
+
+def test_extreme_and_equal_logits():
+    n, hidden, vocab = 6, 4, 50
+    x = torch.zeros(n, hidden)
+    w = torch.randn(vocab, hidden)
+    labels = torch.arange(n)
+    r = linear_logprob_entropy(x, w, labels)  # all logits equal
+    torch.testing.assert_close(r.logprob, torch.full((n,), -math.log(vocab)))
+    torch.testing.assert_close(r.entropy, torch.full((n,), math.log(vocab)))
+    for magnitude in (1e4, -1e4):
+        x = torch.ones(n, hidden)
+        w = torch.randn(vocab, hidden) + magnitude / hidden  # logits ~ +-1e4, spread ~ a few
+        r = linear_logprob_entropy(x, w, labels)
+        lp, ent = reference(x, w, labels)
+        assert torch.isfinite(r.logprob).all() and torch.isfinite(r.entropy).all()
+        assert (r.entropy >= 0).all()
+        # fp32 logits of magnitude 1e4 carry ~1e-3 rounding each (one ulp); allow a few ulps
+        ulp = abs(magnitude) * 2.0**-23
+        torch.testing.assert_close(r.logprob.double(), lp, rtol=0, atol=16 * ulp)
+        torch.testing.assert_close(r.entropy.double(), ent, rtol=0, atol=16 * ulp)
+    # a one-hot distribution: entropy exactly ~0, not negative or NaN
+    w = torch.zeros(vocab, hidden)
+    w[3] = 1e3
+    r = linear_logprob_entropy(torch.ones(2, hidden), w, torch.tensor([3, 3]))
+    assert r.entropy.abs().max() < 1e-6 and r.logprob.abs().max() < 1e-6
+
+
+def test_entropy_only_needs_no_labels():
+    x, w = torch.randn(5, 8), torch.randn(11, 8)
+    r = linear_logprob_entropy(x, w)
+    assert r.logprob is None
+    ref = reference(x, w, torch.zeros(5, dtype=torch.long))[1]
+    torch.testing.assert_close(r.entropy, ref.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_input_names_the_argument():
+    x, w, y = torch.randn(4, 8), torch.randn(16, 8), torch.randint(0, 16, (4,))
+    cases = [
+        (dict(labels=torch.randint(0, 16, (5,))), ValueError, "labels: expected shape"),
+        (dict(labels=torch.tensor([0, 1, 2, 16])), ValueError, "labels: 1 id"),
+        (dict(labels=torch.tensor([0, -5, 2, 3])), ValueError, "labels: 1 id"),
+        (dict(labels=y.float()), TypeError, "labels: expected an integer"),
+        (dict(labels=y, ignore_index=3), ValueError, "ignore_index: 3 is a vocabulary id"),
+        (dict(labels=y, temperature=0.0), ValueError, "temperature"),
+        (dict(labels=y, temperature=-1.0), ValueError, "temperature"),
+        (dict(labels=y, temperature=float("nan")), ValueError, "temperature"),
+        (dict(labels=y, temperature=torch.tensor([1.0, 1.0, 0.0, 1.0])), ValueError, "temperature"),
+        (dict(labels=y, temperature=torch.ones(3)), ValueError, "temperature"),
+        (dict(labels=y, chunk_size=0), ValueError, "chunk_size"),
+        (dict(labels=y, backend="cuda-magic"), ValueError, "backend"),
+        (dict(labels=y, logit_scale=float("inf")), ValueError, "logit_scale"),
+    ]
+    for kwargs, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            linear_logprob_entropy(x, w, **kwargs)
+    with pytest.raises(ValueError, match="hidden: hidden size 8 does not match weight's 9"):
+        linear_logprob_entropy(x, torch.randn(16, 9), y)
+    with pytest.raises(TypeError, match="hidden: dtype"):
+        linear_logprob_entropy(x.bfloat16(), w, y)
+    with pytest.raises(TypeError, match="weight: expected float32"):
+        linear_logprob_entropy(x, w.long(), y)
+    with pytest.raises(ValueError, match="hidden: expected a 2-D"):
+        linear_logprob_entropy(x[None], w, y)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any operator creates (what a [tokens, vocab] logits would be)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_memory_never_exceeds_one_chunk_of_logits():
+    n, hidden, vocab, chunk = 256, 16, 1000, 16  # hidden <= chunk: weight-sized grads fit the bound
+    x = torch.randn(n, hidden, requires_grad=True)
+    w = torch.randn(vocab, hidden, requires_grad=True)
+    y = torch.randint(0, vocab, (n,))
+    with LargestTensor() as ours:
+        r = linear_logprob_entropy(x, w, y, chunk_size=chunk)
+        (r.logprob.sum() + r.entropy.sum()).backward()
+    with LargestTensor() as stock:
+        logp = torch.log_softmax(x @ w.t(), dim=-1)
+        (logp.gather(1, y[:, None]).sum() - (logp.exp() * logp).sum()).backward()
+    bound = chunk * vocab
+    assert ours.largest <= bound, (ours.largest, bound)
+    assert stock.largest >= n * vocab  # the test would catch a full [tokens, vocab] tensor
+
+
+# --------------------------------------------------------------------------- tensor parallel
+
+
+def _tp_kernel_check(vocab_per_rank: int, sequence_parallel: bool, dtype_name: str):
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    g = torch.Generator().manual_seed(11)
+    n, hidden = 12 * world, 8
+    vocab = vocab_per_rank * world
+    x = torch.randn(n, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g)
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[0] = vocab_per_rank - 1  # last id of shard 0
+    labels[1] = vocab_per_rank  # first id of shard 1
+    labels[2] = vocab - 1  # last id of the last shard
+    labels[3] = -100
+    temp = torch.rand(n, generator=g) + 0.5
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    lp, ent, rdx, rdw = _ref_grads(x, w, labels, g_lp, g_ent, temp)
+    shard = slice(rank * vocab_per_rank, (rank + 1) * vocab_per_rank)
+    tokens = slice(rank * n // world, (rank + 1) * n // world) if sequence_parallel else slice(None)
+    r, dx, dw = _grads(
+        x[tokens], w[shard], labels, g_lp, g_ent, temperature=temp, chunk_size=5,
+        parallel=VocabParallel(group, rank * vocab_per_rank, sequence_parallel),
+    )
+    return rel(r.logprob, lp), rel(r.entropy, ent), rel(dx, rdx[tokens]), rel(dw, rdw[shard])
+
+
+def _tp_all(world):
+    out = []
+    for vocab_per_rank in (1, 13, 50):
+        for sp in (False, True):
+            out.append(((vocab_per_rank, sp), _tp_kernel_check(vocab_per_rank, sp, "float32")))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_matches_unsplit(world):
+    """Vocab split over TP ranks (shards as Megatron pads them), SP on and off: exact, dX reduced once."""
+    for rank_rows in run_on_ranks(_tp_all, world, world):
+        for layout, errors in rank_rows:
+            assert max(errors) < 1e-5, (layout, errors)

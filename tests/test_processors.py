@@ -1,0 +1,270 @@
+"""The bundled processors through real Megatron Core models, against the stock path."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+from mcore_hooks import PostprocessContext, hooked_class
+from mcore_hooks.processors import (
+    EntropyProcessor,
+    FusedLogprobProcessor,
+    LinearCEProcessor,
+    LogprobEntropyProcessor,
+)
+from mcore_hooks.processors.labels import labels_from_input_ids
+from mcore_hooks.testing import (
+    TinyModelConfig,
+    available_model_classes,
+    build_tiny_model,
+    run_on_ranks,
+    stock_model_class,
+    supports_packed_sequences,
+    tiny_batch,
+)
+from mcore_hooks.verify import PROCESSOR_CHECKS, run_checks
+
+pytestmark = pytest.mark.usefixtures("mp1")
+
+
+def _hooked(cfg):
+    return build_tiny_model(cfg, model_cls=hooked_class(stock_model_class(cfg.model_class)))
+
+
+class Capture:
+    """Records the hook's keywords, then runs the wrapped processor."""
+
+    def __init__(self, inner):
+        self.inner, self.kwargs = inner, None
+
+    def __call__(self, **kwargs):
+        self.kwargs = kwargs
+        return self.inner(**kwargs)
+
+
+def _logits64(kwargs, temperature=1.0):
+    """float64 logits ``[b, s, v]`` from the hidden states the hook delivered (TP=1)."""
+    ctx = PostprocessContext.from_kwargs(kwargs)
+    logits = ctx.hidden_states.double() @ ctx.weight.double().t()  # [s, b, v]
+    t = temperature.double()[None, :, None] if torch.is_tensor(temperature) else temperature
+    return (logits / t).transpose(0, 1)
+
+
+def test_every_processor_matches_stock_on_every_class_tp1():
+    rows = run_checks()
+    names = {r.processor for r in rows}
+    assert names == {c.name for c in PROCESSOR_CHECKS}
+    assert {r.model for r in rows} == set(available_model_classes())
+    failed = [r for r in rows if not r.passed]
+    assert not failed, failed
+    for r in rows:
+        assert max(r.value_rel, r.grad_rel) <= (r.tolerance or 0.0)
+
+
+@pytest.mark.parametrize("model_class", available_model_classes())
+def test_bf16_processor_at_least_as_accurate_as_stock(model_class):
+    cfg = TinyModelConfig(model_class=model_class, params_dtype=torch.bfloat16, tied=False)
+    stock, model = build_tiny_model(cfg), _hooked(cfg)
+    batch = tiny_batch(cfg)
+    cap = Capture(LogprobEntropyProcessor())
+    out = model(**batch, output_processor=cap)
+    assert out["logprobs"].dtype == torch.float32 and out["entropy"].dtype == torch.float32
+    logp64 = torch.log_softmax(_logits64(cap.kwargs), -1)
+    lp64 = logp64.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+    ent64 = -(logp64.exp() * logp64).sum(-1)
+    stock_lp = -stock(**batch).double()
+    stock_logits = stock(**{k: v for k, v in batch.items() if k != "labels"}).double()
+    stock_logp = torch.log_softmax(stock_logits, -1)
+    stock_ent = -(stock_logp.exp() * stock_logp).sum(-1)
+
+    def err(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    assert err(out["logprobs"], lp64) <= err(stock_lp, lp64)
+    assert err(out["entropy"], ent64) <= err(stock_ent, ent64)
+    assert err(out["logprobs"], lp64) < 1e-5 and err(out["entropy"], ent64) < 1e-5
+
+
+@pytest.mark.parametrize("per_sample", [False, True], ids=["float", "per-sample"])
+def test_temperature_divides_logits_in_forward_and_backward(per_sample):
+    cfg = TinyModelConfig(tied=False)
+    model = _hooked(cfg)
+    batch = tiny_batch(cfg)
+    b = batch["input_ids"].shape[0]
+    temperature = torch.tensor([0.5, 2.0][:b]) if per_sample else 0.7
+    cap = Capture(LogprobEntropyProcessor(temperature=temperature))
+    out = model(**batch, output_processor=cap)
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = torch.rand(out["logprobs"].shape, generator=g), torch.rand(out["entropy"].shape, generator=g)
+    (out["logprobs"] * w1 + out["entropy"] * w2).sum().backward()
+    got_grad = cap.kwargs["hidden_states"]  # non-leaf: compare through the output weight's grad
+    got_w = model.output_layer.weight.grad.clone()
+
+    kwargs = dict(cap.kwargs)
+    h = kwargs["hidden_states"].detach().double().requires_grad_()
+    wt = model.output_layer.weight.detach().double().requires_grad_()
+    logits = (h @ wt.t()).transpose(0, 1)
+    t = temperature.double()[:, None, None] if per_sample else temperature
+    logp = torch.log_softmax(logits / t, -1)
+    lp = logp.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    torch.testing.assert_close(out["logprobs"].double(), lp.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["entropy"].double(), ent.detach(), rtol=1e-5, atol=1e-6)
+    (lp * w1.double() + ent * w2.double()).sum().backward()
+    assert ((got_w.double() - wt.grad).norm() / wt.grad.norm()) < 1e-5
+    assert got_grad is not None
+
+
+def test_ignore_index_gives_zero_and_no_gradient():
+    cfg = TinyModelConfig(tied=False)
+    model = _hooked(cfg)
+    batch = tiny_batch(cfg)
+    labels = batch["labels"].clone()
+    labels[:, ::3] = -100
+    batch["labels"] = labels
+    cap = Capture(LogprobEntropyProcessor())
+    out = model(**batch, output_processor=cap)
+    ignored = labels == -100
+    assert (out["logprobs"][ignored] == 0).all() and (out["entropy"][ignored] == 0).all()
+    assert (out["logprobs"][~ignored] < 0).all()
+    h = cap.kwargs["hidden_states"]
+    grad = torch.autograd.grad((out["logprobs"] + out["entropy"]).sum(), h)[0]  # [s, b, h]
+    assert (grad.transpose(0, 1)[ignored] == 0).all()
+    assert (grad.transpose(0, 1)[~ignored].abs().sum(-1) > 0).all()
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
+def test_labels_derived_from_input_ids(packed):
+    cfg = TinyModelConfig()
+    if packed and not supports_packed_sequences(cfg.model_class):
+        pytest.skip("no packed sequences on this class")
+    model = _hooked(cfg)
+    batch = tiny_batch(cfg, packed=packed, with_labels=False)
+    derived = model(**batch, output_processor=FusedLogprobProcessor())
+    explicit = labels_from_input_ids(batch["input_ids"], -100, batch.get("packed_seq_params"))
+    given = model(**batch, labels=explicit, output_processor=FusedLogprobProcessor())
+    assert torch.equal(derived, given)
+    ids = batch["input_ids"]
+    if packed:
+        cu = batch["packed_seq_params"].cu_seqlens_q.tolist()
+        for start, end in zip(cu[:-1], cu[1:]):
+            assert torch.equal(explicit[0, start : end - 1], ids[0, start + 1 : end])
+            assert explicit[0, end - 1] == -100  # no label crosses a sequence boundary
+            assert derived[0, end - 1] == 0
+    else:
+        assert torch.equal(explicit[:, :-1], ids[:, 1:]) and (explicit[:, -1] == -100).all()
+
+
+def test_linear_ce_reductions_and_tuple_form():
+    cfg = TinyModelConfig()
+    stock, model = build_tiny_model(cfg), _hooked(cfg)
+    batch = tiny_batch(cfg)
+    loss = stock(**batch)
+    mask = batch["loss_mask"]
+    per_token = model(**batch, output_processor=LinearCEProcessor())
+    torch.testing.assert_close(per_token, loss, rtol=1e-5, atol=1e-6)
+    total = model(**batch, output_processor=LinearCEProcessor(reduction="sum"))
+    mean = model(**batch, output_processor=LinearCEProcessor(reduction="mean"))
+    torch.testing.assert_close(total, (loss * mask).sum(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mean, (loss * mask).sum() / mask.sum(), rtol=1e-5, atol=1e-6)
+    pair = model(**batch, output_processor=LogprobEntropyProcessor(as_tuple=True))
+    assert isinstance(pair, tuple) and len(pair) == 2 and all(torch.is_tensor(t) for t in pair)
+    torch.testing.assert_close(pair[0], -loss, rtol=1e-5, atol=1e-6)
+    ent = model(**batch, output_processor=EntropyProcessor())
+    torch.testing.assert_close(pair[1], ent)
+
+
+def test_mup_scale_logits_is_folded_in():
+    cfg = TinyModelConfig(tied=False)
+    model = _hooked(cfg)
+    batch = tiny_batch(cfg)
+    cap = Capture(FusedLogprobProcessor())
+    base = model(**batch, output_processor=cap)
+    kwargs = dict(cap.kwargs, scale_logits=lambda logits: logits * 0.25)
+    scaled = FusedLogprobProcessor()(**kwargs)
+    logp = torch.log_softmax(_logits64(cap.kwargs) * 0.25, -1)
+    ref = logp.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(scaled.double(), ref, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(scaled, base)
+    with pytest.raises(ValueError, match="scale_logits"):
+        FusedLogprobProcessor()(**dict(cap.kwargs, scale_logits=lambda logits: logits**2))
+
+
+def test_processor_errors_name_the_argument():
+    cfg = TinyModelConfig()
+    model = _hooked(cfg)
+    batch = tiny_batch(cfg)
+    with pytest.raises(ValueError, match="labels: expected shape"):
+        model(**dict(batch, labels=batch["labels"][:, :-1]), output_processor=FusedLogprobProcessor())
+    with pytest.raises(ValueError, match="labels: 1 id"):
+        bad = batch["labels"].clone()
+        bad[0, 0] = cfg.vocab_size
+        model(**dict(batch, labels=bad), output_processor=FusedLogprobProcessor())
+    with pytest.raises(TypeError, match="labels: expected an integer"):
+        model(**dict(batch, labels=batch["labels"].float()), output_processor=FusedLogprobProcessor())
+    with pytest.raises(ValueError, match="ignore_index"):
+        model(**batch, output_processor=FusedLogprobProcessor(ignore_index=5))
+    with pytest.raises(ValueError, match="temperature: expected one per sample"):
+        model(**batch, output_processor=FusedLogprobProcessor(temperature=torch.ones(7)))
+    for bad_t in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="temperature"):
+            FusedLogprobProcessor(temperature=bad_t)
+    with pytest.raises(TypeError, match="temperature"):
+        FusedLogprobProcessor(temperature="hot")
+    with pytest.raises(ValueError, match="reduction"):
+        LinearCEProcessor(reduction="avg")
+    with pytest.raises(ValueError, match="backend"):
+        FusedLogprobProcessor(backend="cuda-magic")
+
+
+# --------------------------------------------------------------------------- context parallel
+
+
+def _cp_check():
+    """CP=2: each rank holds half the tokens (labels pre-sharded); results equal the unsplit run."""
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_context_parallel_rank()
+    g = torch.Generator().manual_seed(5)
+    s, b, hidden_size, vocab = 8, 2, 16, 40
+    torch.manual_seed(0)
+    # The CPU attention cannot run a CP model; the processor needs only an output layer (TP=1).
+    output_layer = torch.nn.Linear(hidden_size, vocab, bias=False)
+    hidden = torch.randn(s, b, hidden_size, generator=g)
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    config = types.SimpleNamespace(context_parallel_size=2)
+    base = dict(
+        output_layer=output_layer, output_weight=None, loss_mask=None, input_ids=None,
+        position_ids=None, attention_mask=None, decoder_input=None, inference_context=None,
+        packed_seq_params=None, runtime_gather_output=None, context=None,
+        compute_language_model_loss=None, scale_logits=lambda x: x, config=config,
+    )
+    part = slice(rank * s // 2, (rank + 1) * s // 2)
+    h_local = hidden[part].clone().requires_grad_()
+    out = LogprobEntropyProcessor()(**base, hidden_states=h_local, labels=labels[:, part])
+    (out["logprobs"].sum() + out["entropy"].sum()).backward()
+    h_full = hidden.clone().requires_grad_()
+    full = LogprobEntropyProcessor()(
+        **dict(base, config=types.SimpleNamespace(context_parallel_size=1)), hidden_states=h_full, labels=labels
+    )
+    (full["logprobs"].sum() + full["entropy"].sum()).backward()
+    ok = torch.allclose(out["logprobs"], full["logprobs"][:, part]) and torch.allclose(
+        out["entropy"], full["entropy"][:, part]
+    ) and torch.allclose(h_local.grad, h_full.grad[part])
+    try:
+        FusedLogprobProcessor()(**dict(base, input_ids=labels[:, part]), hidden_states=h_local, labels=None)
+        refused = False
+    except ValueError as e:
+        refused = "context parallel" in str(e)
+    assert dist.get_world_size() == 2
+    return ok, refused
+
+
+def test_context_parallel_local_tokens():
+    for ok, refused in run_on_ranks(_cp_check, 2, tp=1, cp=2):
+        assert ok and refused
