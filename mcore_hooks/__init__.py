@@ -8,7 +8,11 @@ Public API (everything else is internal):
 * :func:`enable_output_processor`, :func:`supports_output_processor`, :func:`hooked_class`;
 * ``HookedGPTModel``, ``HookedHybridModel``, ``HookedMambaModel`` — classes to build directly
   (the stock class itself where it already has the hook);
-* :func:`check_output_processor`, ``OUTPUT_PROCESSOR_KEYWORDS`` — the call convention.
+* :func:`check_output_processor`, ``OUTPUT_PROCESSOR_KEYWORDS`` — the call convention;
+* the bundled processors (:mod:`mcore_hooks.processors`): :class:`FusedLogprobProcessor`,
+  :class:`EntropyProcessor`, :class:`LogprobEntropyProcessor`, :class:`LinearCEProcessor`;
+* :mod:`mcore_hooks.kernels` — the math on plain tensors: ``linear_logprob_entropy``,
+  ``VocabParallel``.
 
 ``mcore_hooks.testing`` holds tiny CPU models and a multi-rank launcher for tests; ``mcore-hooks
 verify`` (or ``python -m mcore_hooks verify``) checks the bundled processors against stock.
@@ -26,12 +30,22 @@ from .postprocess import (
     hooked_class,
     supports_output_processor,
 )
+from .processors import (
+    EntropyProcessor,
+    FusedLogprobProcessor,
+    LinearCEProcessor,
+    LogprobEntropyProcessor,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "OUTPUT_PROCESSOR_KEYWORDS",
     "DefaultProcessor",
+    "EntropyProcessor",
+    "FusedLogprobProcessor",
+    "LinearCEProcessor",
+    "LogprobEntropyProcessor",
     "PostprocessContext",
     "PostprocessProcessor",
     "check_output_processor",

@@ -77,12 +77,18 @@ def test_available_model_classes() -> None:
 
 
 def test_build_needs_parallel_state() -> None:
-    from megatron.core import parallel_state
+    # In a fresh interpreter: this session's fixtures keep a parallel state alive.
+    import subprocess
+    import sys
 
-    if parallel_state.model_parallel_is_initialized():
-        pytest.skip("parallel state left initialised by another test module")
-    with pytest.raises(RuntimeError, match="model parallel state"):
-        build_tiny_model(TinyModelConfig())
+    code = (
+        "import pytest\n"
+        "from mcore_hooks.testing import TinyModelConfig, build_tiny_model\n"
+        "with pytest.raises(RuntimeError, match='model parallel state'):\n"
+        "    build_tiny_model(TinyModelConfig())\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 @pytest.mark.parametrize("name,tied", CASES)
