@@ -14,7 +14,9 @@ from typing import NamedTuple, Optional, Union
 import torch
 import torch.distributed as dist
 
+from .autograd import Backend, LinearLogSoftmaxStats
 from .options import VocabParallel
+from .torch_chunked import TorchChunked
 
 __all__ = ["VocabParallel", "LogprobEntropy", "linear_logprob_entropy", "BACKENDS", "default_chunk_size"]
 
@@ -120,15 +122,17 @@ def linear_logprob_entropy(
                 f"labels: {int(bad.sum())} id(s) outside [0, {v_total}) and not ignore_index="
                 f"{ignore_index}, e.g. {int(gl[bad][0])}"
             )
-    temp = _temperature(temperature, n, dev)
-
-    from .torch_chunked import linear_log_softmax_stats
-
-    logprob, entropy, logz = linear_log_softmax_stats(
-        hidden, weight, gl, temp, valid,
-        scale=float(logit_scale), parallel=parallel, chunk_size=chunk_size,
+    coef = float(logit_scale) / _temperature(temperature, n, dev)
+    group = parallel.group if tp > 1 else None
+    logprob, entropy, logz = LinearLogSoftmaxStats.apply(
+        hidden, weight, gl, coef, valid, int(parallel.vocab_start), group, sp, chunk_size,
+        _select_backend(backend, hidden),
     )
     return LogprobEntropy(logprob if labels is not None else None, entropy, logz)
+
+
+def _select_backend(name: str, hidden: torch.Tensor) -> Backend:
+    return TorchChunked()
 
 
 def _temperature(temperature: Union[float, torch.Tensor], n: int, dev: torch.device) -> torch.Tensor:
