@@ -1,8 +1,19 @@
+import os
 import warnings
 
 import pytest
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl).*")
+
+# Without a GPU, Triton kernels run under Triton's interpreter (read when kernels are defined, so
+# set before anything imports them; spawned ranks inherit it).
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,9 @@
 One entry point, :func:`linear_logprob_entropy`: per-token log-probability of the labels and entropy
 of ``softmax(scale * hidden @ weight.T / temperature)`` over a vocabulary that may be split across
 the tensor-parallel group, without materialising ``[tokens, vocab]`` logits. It checks its inputs
-and dispatches to a backend (``torch``: chunked, CPU and GPU).
+and dispatches to a backend: ``torch`` (chunked, CPU and GPU, any dtype) or ``triton`` (logits fused
+into the matmul, CUDA, bf16/fp16); ``auto`` takes Triton where it can run, else torch. Both keep
+logits in fp32 and satisfy the same tests (values to fp32 rounding; gradients to the input dtype's).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .torch_chunked import TorchChunked
 
 __all__ = ["VocabParallel", "LogprobEntropy", "linear_logprob_entropy", "BACKENDS", "default_chunk_size"]
 
-BACKENDS = ("auto", "torch")
+BACKENDS = ("auto", "torch", "triton")
 
 # Elements of one chunk's fp32 logits [chunk, V_local] the torch backend aims for (256 MiB).
 _CHUNK_ELEMENTS = 1 << 26
@@ -67,8 +69,10 @@ def linear_logprob_entropy(
         temperature: a positive float, or a float tensor ``[N]``, dividing the logits.
         logit_scale: a factor on the logits before the temperature (Megatron's MuP output scaling).
         parallel: the vocab-parallel layout (:class:`VocabParallel`).
-        chunk_size: tokens per chunk (default: about 2**26 logits per chunk).
-        backend: ``"auto"`` or ``"torch"``.
+        chunk_size: tokens per chunk of the torch backend (default: about 2**26 logits per
+            chunk); the Triton backend never holds forward logits and sizes its backward
+            gradient chunks itself (about 64 MiB).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -132,6 +136,20 @@ def linear_logprob_entropy(
 
 
 def _select_backend(name: str, hidden: torch.Tensor) -> Backend:
+    """``auto``: Triton for bf16/fp16 on CUDA when Triton imports, else the torch backend."""
+    from . import triton_fused
+
+    low_precision = hidden.dtype in (torch.bfloat16, torch.float16)
+    if name == "triton":
+        if not (triton_fused.available(hidden.device) and low_precision):
+            raise ValueError(
+                "backend: 'triton' needs bf16/fp16 inputs on a CUDA device with Triton installed, "
+                f"got {hidden.dtype} on {hidden.device}"
+                + ("" if triton_fused.triton is not None else " (triton is not importable)")
+            )
+        return triton_fused.TritonFused()
+    if name == "auto" and low_precision and hidden.is_cuda and triton_fused.available(hidden.device):
+        return triton_fused.TritonFused()
     return TorchChunked()
 
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# On the lent GPU machine (see README): install the carried wheels, run the GPU-marked tests, then
+# the benchmark. Usage: bash benchmarks/device_run.sh [tests|bench|quick|all]   (default: all)
+set -uo pipefail
+what=${1:-all}
+out=${OUT:-benchmarks/out}
+mkdir -p "$out"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi -L
+rc=0
+if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = quick ] || [ "$what" = profile ]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore -m gpu tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -4 || rc=1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_triton_backend.py 2>&1 | tee "$out/triton_tests.log" | tail -4 || rc=1
+fi
+if [ "$what" = profile ]; then
+  timeout 400 python3 benchmarks/profile_kernels.py 2>&1 | tee "$out/profile.log" || rc=1
+fi
+if [ "$what" = quick ]; then
+  timeout 400 python3 benchmarks/bench_postprocess.py --quick --tp2 --out "$out" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -40 || rc=1
+elif [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout 560 python3 benchmarks/bench_postprocess.py --tp2 --out "$out" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -60 || rc=1
+fi
+exit $rc

@@ -1,0 +1,115 @@
+"""Where the Triton backend's time goes, and which tile shapes are fastest (one GPU).
+
+    python benchmarks/profile_kernels.py [--shape 16384 4096 151936]
+
+Times the forward stats kernel for several tile configurations, and the backward's parts (the
+logit-gradient kernel, cuBLAS dW, the fp32 dX accumulation) separately, against the matmul floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import triton
+import triton.testing
+
+from mcore_hooks.kernels import triton_fused as tf
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", type=int, nargs=3, default=[16384, 4096, 151936])
+    args = ap.parse_args()
+    n, h, v = args.shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).bfloat16()
+    label = torch.randint(0, v, (n,), device="cuda", generator=g)
+    coef = torch.ones(n, device="cuda")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ceiling = 2 * 8192**3 / bench(lambda: a @ a) / 1e9
+    flop = 2 * n * h * v
+    print(f"shape {n}x{h}x{v}; bf16 matmul ceiling {ceiling:.0f} TF/s; 2NHV floor {flop / ceiling / 1e9:.1f} ms")
+    print(f"cuBLAS logits x @ w.T (bf16 out): {bench(lambda: x @ w.t()):.1f} ms")
+
+    print("\nforward stats kernel: BLOCK_N BLOCK_V BLOCK_K warps stages min_splits -> ms, % of ceiling")
+    base_fwd, base_splits = dict(tf._FWD), tf._MIN_SPLITS
+    best = None
+    for bn, bv, bk, nw, ns in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4),
+                               (128, 128, 64, 4, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+                               (64, 256, 64, 4, 4)]:
+        for ms_ in (8, 16, 32):
+            tf._FWD = dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+            tf._MIN_SPLITS = ms_
+            try:
+                t = bench(lambda: tf.TritonFused.local_stats(x, w, coef, label, 0))
+            except Exception as e:  # noqa: BLE001 - out of resources etc.
+                print(f"  {bn} {bv} {bk} {nw} {ns} {ms_}: {type(e).__name__}")
+                break
+            print(f"  {bn} {bv} {bk} {nw} {ns} {ms_}: {t:.1f} ms, {flop / t / 1e9 / ceiling:.0%}", flush=True)
+            if best is None or t < best[0]:
+                best = (t, dict(tf._FWD), ms_)
+    print(f"best forward: {best}")
+    tf._FWD, tf._MIN_SPLITS = base_fwd, base_splits
+
+    stats = tf.TritonFused.local_stats(x, w, coef, label, 0)
+    logz = stats.max + torch.log(stats.sumexp)
+    ent = torch.rand(n, device="cuda")
+    g1 = torch.randn(n, device="cuda")
+    g2 = torch.randn(n, device="cuda")
+    print("\nbackward parts, per chunk width Vc (whole vocabulary):")
+    for vc in (1024, 2048, 4096):
+        dz = torch.empty((n, vc), dtype=x.dtype, device="cuda")
+        dx = torch.zeros((n, h), dtype=torch.float32, device="cuda")
+        dw = torch.empty_like(w)
+        for bn, bv, bk, nw, ns in [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)]:
+            cfg = dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+
+            def dlogits():
+                for v0 in range(0, v, vc):
+                    width = min(vc, v - v0)
+                    tf._dlogits_kernel[(triton.cdiv(width, bv), triton.cdiv(n, bn))](
+                        x, w, coef, label, logz, ent, g1, g2, dz, n, v, h, v0, width,
+                        x.stride(0), w.stride(0), dz.stride(0), EVEN_K=h % bk == 0, **cfg)
+
+            t = bench(dlogits)
+            print(f"  Vc={vc} dlogits {bn} {bv} {bk} {nw} {ns}: {t:.1f} ms ({flop / t / 1e9 / ceiling:.0%})", flush=True)
+
+        def dw_part():
+            for v0 in range(0, v, vc):
+                width = min(vc, v - v0)
+                torch.mm(dz[:, :width].t(), x, out=dw[v0 : v0 + width])
+
+        def dx_addmm():
+            for v0 in range(0, v, vc):
+                width = min(vc, v - v0)
+                torch.addmm(dx, dz[:, :width], w[v0 : v0 + width], out_dtype=torch.float32, out=dx)
+
+        def dx_mm_add():
+            for v0 in range(0, v, vc):
+                width = min(vc, v - v0)
+                dx.add_(torch.mm(dz[:, :width], w[v0 : v0 + width], out_dtype=torch.float32))
+
+        def dx_bf16():
+            dxb = torch.zeros((n, h), dtype=x.dtype, device="cuda")
+            for v0 in range(0, v, vc):
+                width = min(vc, v - v0)
+                dxb.addmm_(dz[:, :width], w[v0 : v0 + width])
+
+        for name, fn in (("dW mm", dw_part), ("dX addmm out_dtype", dx_addmm), ("dX mm out_dtype + add", dx_mm_add),
+                         ("dX bf16 addmm_ (rounds per chunk)", dx_bf16)):
+            try:
+                t = bench(fn)
+                print(f"  Vc={vc} {name}: {t:.1f} ms ({flop / t / 1e9 / ceiling:.0%})", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"  Vc={vc} {name}: {type(e).__name__}: {str(e)[:100]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The Triton backend against the torch backend and float64, on GPU or under Triton's interpreter.
+
+On CPU the interpreter runs the kernels at tiny shapes in fp16 only: its ``tl.dot`` gives wrong
+results for bf16 operands (seen with Triton 3.9: a 16x16 bf16 dot off by 1e10), so bf16 is
+covered by the GPU run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from mcore_hooks.kernels import VocabParallel, linear_logprob_entropy  # noqa: E402
+from mcore_hooks.testing import run_on_ranks  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.bfloat16, torch.float16] if ON_GPU else [torch.float16]
+GRAD_TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def rel(a, b):
+    b = b.double()
+    return ((a.double() - b).norm() / b.norm().clamp(min=1e-300)).item()
+
+
+def close(a, b, tol):
+    """Max error within ``tol`` of the larger of 1 and the reference's magnitude (refs may be 0)."""
+    b = b.double()
+    return (a.double() - b).abs().max().item() <= tol * max(1.0, b.abs().max().item())
+
+
+def _run(backend, x, w, labels, temperature, g1, g2, **kw):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    r = linear_logprob_entropy(x, w, labels, temperature=temperature, backend=backend, **kw)
+    (r.logprob * g1 + r.entropy * g2).sum().backward()
+    return r.logprob.detach(), r.entropy.detach(), x.grad, w.grad
+
+
+def _reference(x, w, labels, temperature, g1, g2):
+    x = x.detach().double().requires_grad_()
+    w = w.detach().double().requires_grad_()
+    t = temperature.double()[:, None] if torch.is_tensor(temperature) else temperature
+    logp = torch.log_softmax(x @ w.t() / t, -1)
+    valid = labels != -100
+    lp = torch.where(valid, logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    ent = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+    (lp * g1.double() + ent * g2.double()).sum().backward()
+    return lp.detach(), ent.detach(), x.grad, w.grad
+
+
+SHAPES = [  # (tokens, hidden, vocab): nothing divisible by the tiles
+    (37, 40, 301),
+    (130, 64, 257),
+    (5, 16, 1),
+    (129, 96, 1031),
+]
+if ON_GPU:
+    SHAPES += [(1000, 512, 32003), (4099, 1024, 151936 // 8 + 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_triton_matches_torch_backend_and_float64(shape, dtype):
+    n, h, v = shape
+    g = torch.Generator().manual_seed(n + v)
+    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < 0.2] = -100
+    labels[-1] = v - 1
+    labels = labels.to(DEVICE)
+    temperature = (torch.rand(n, generator=g) + 0.3).to(DEVICE)
+    g1 = torch.randn(n, generator=g).to(DEVICE)
+    g2 = torch.randn(n, generator=g).to(DEVICE)
+    tri = _run("triton", x, w, labels, temperature, g1, g2)
+    tor = _run("torch", x, w, labels, temperature, g1, g2, chunk_size=64)
+    ref = _reference(x, w, labels, temperature, g1, g2)
+    # values: fp32 logits in both backends, so within fp32 rounding of each other and of float64
+    assert close(tri[0], ref[0], 2e-6) and close(tri[1], ref[1], 2e-6)
+    assert close(tri[0], tor[0], 2e-6) and close(tri[1], tor[1], 2e-6)
+    # gradients: both round the logit gradient to the input dtype before the matmuls
+    for got, want, base in zip(tri[2:], ref[2:], tor[2:]):
+        assert got.dtype == dtype
+        if want.norm() > 0:
+            assert rel(got, want) < GRAD_TOL[dtype]
+            assert rel(got, want) <= 2 * rel(base, want) + 1e-3
+    ignored = labels == -100
+    assert (tri[0][ignored] == 0).all() and (tri[2][ignored] == 0).all()
+
+
+def test_triton_is_deterministic():
+    n, h, v = (2048, 256, 5003) if ON_GPU else (40, 32, 130)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=g).to(DEVICE, DTYPES[0])
+    w = torch.randn(v, h, generator=g).to(DEVICE, DTYPES[0])
+    labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    ones = torch.ones(n, device=DEVICE)
+    a = _run("triton", x, w, labels, 1.0, ones, ones)
+    b = _run("triton", x, w, labels, 1.0, ones, ones)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+
+
+def test_backend_choice():
+    x = torch.randn(4, 8, device=DEVICE)
+    w = torch.randn(16, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="backend: 'triton' needs bf16/fp16"):
+        linear_logprob_entropy(x, w, backend="triton")
+    from mcore_hooks.kernels import _select_backend
+
+    assert _select_backend("auto", x.half()).name == ("triton" if ON_GPU else "torch")
+    assert _select_backend("auto", x).name == "torch"  # fp32: exact torch matmuls
+    assert _select_backend("torch", x.half()).name == "torch"
+
+
+def _tp_triton(world):
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank = dist.get_rank(group)
+    dev = f"cuda:{rank}" if ON_GPU else "cpu"
+    if ON_GPU:
+        torch.cuda.set_device(rank)
+    g = torch.Generator().manual_seed(3)
+    n, h, v_rank = 16 * world, 48, 67
+    dtype = DTYPES[-1]
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v_rank * world, h, generator=g) / math.sqrt(h)).to(dtype)
+    labels = torch.randint(0, v_rank * world, (n,), generator=g)
+    labels[:world] = torch.arange(world) * v_rank + v_rank - 1  # last id of each shard
+    g1, g2 = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    ref = _reference(x, w, labels, 0.9, g1, g2)
+    out = []
+    for sp in (False, True):
+        tokens = slice(rank * n // world, (rank + 1) * n // world) if sp else slice(None)
+        shard = slice(rank * v_rank, (rank + 1) * v_rank)
+        got = _run(
+            "triton", x[tokens].to(dev), w[shard].to(dev), labels.to(dev), 0.9, g1.to(dev), g2.to(dev),
+            parallel=VocabParallel(group, rank * v_rank, sp),
+        )
+        out.append((rel(got[0].cpu(), ref[0]), rel(got[1].cpu(), ref[1]),
+                    rel(got[2].cpu(), ref[2][tokens]), rel(got[3].cpu(), ref[3][shard])))
+    return out
+
+
+def test_triton_vocab_parallel_2_ranks():
+    if ON_GPU and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    for rank_rows in run_on_ranks(_tp_triton, 2, 2):
+        for lp, ent, dx, dw in rank_rows:
+            assert lp < 2e-6 and ent < 2e-6 and dx < GRAD_TOL[DTYPES[-1]] and dw < GRAD_TOL[DTYPES[-1]]
