@@ -248,9 +248,10 @@ def main() -> int:
     ap.add_argument("--tp2", action="store_true", help="also time TP=2 on two GPUs (first shape)")
     ap.add_argument("--quick", action="store_true", help="first shape only, shorter timing")
     ap.add_argument("--methods", default=None, help="comma-separated substrings to select methods")
+    ap.add_argument("--rep-ms", type=int, default=None, help="timing budget per measurement (ms)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    rep_ms = 300 if args.quick else 600
+    rep_ms = args.rep_ms or (300 if args.quick else 600)
 
     import torch.distributed as dist
     import triton

@@ -19,6 +19,6 @@ fi
 if [ "$what" = quick ]; then
   timeout 400 python3 benchmarks/bench_postprocess.py --quick --tp2 --out "$out" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -40 || rc=1
 elif [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 560 python3 benchmarks/bench_postprocess.py --tp2 --out "$out" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -60 || rc=1
+  timeout 560 python3 benchmarks/bench_postprocess.py --tp2 --rep-ms 400 --out "$out" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -60 || rc=1
 fi
 exit $rc

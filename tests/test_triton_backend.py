@@ -81,9 +81,11 @@ def test_triton_matches_torch_backend_and_float64(shape, dtype):
     tri = _run("triton", x, w, labels, temperature, g1, g2)
     tor = _run("torch", x, w, labels, temperature, g1, g2, chunk_size=64)
     ref = _reference(x, w, labels, temperature, g1, g2)
-    # values: fp32 logits in both backends, so within fp32 rounding of each other and of float64
-    assert close(tri[0], ref[0], 2e-6) and close(tri[1], ref[1], 2e-6)
-    assert close(tri[0], tor[0], 2e-6) and close(tri[1], tor[1], 2e-6)
+    # values: fp32 logits in both backends, so within fp32 rounding of each other and of float64:
+    # 2e-6 norm-wise, 1e-5 for any single element (the GPU's exp is approximate)
+    for got, want in ((tri[0], ref[0]), (tri[1], ref[1]), (tri[0], tor[0]), (tri[1], tor[1])):
+        assert close(got, want, 1e-5)
+        assert want.norm() == 0 or rel(got, want) < 2e-6
     # gradients: both round the logit gradient to the input dtype before the matmuls
     for got, want, base in zip(tri[2:], ref[2:], tor[2:]):
         assert got.dtype == dtype
