@@ -268,3 +268,19 @@ def _cp_check():
 def test_context_parallel_local_tokens():
     for ok, refused in run_on_ranks(_cp_check, 2, tp=1, cp=2):
         assert ok and refused
+
+
+def test_mup_scaling_through_a_real_model():
+    """Where Megatron Core has MuP output scaling (0.17+), processors see it as stock does."""
+    cfg = TinyModelConfig(tied=False)
+    stock, model = build_tiny_model(cfg), _hooked(cfg)
+    if not hasattr(stock, "_scale_logits") or not hasattr(stock.config, "mup_output_mult"):
+        pytest.skip("this Megatron Core release has no MuP logit scaling")
+    batch = tiny_batch(cfg)
+    for m in (stock, model):  # read at forward time by _scale_logits only
+        m.config.use_mup = True
+        m.config.mup_output_mult = 0.37
+    loss = stock(**batch)
+    assert not torch.allclose(loss, build_tiny_model(cfg)(**batch))  # the scaling is in effect
+    torch.testing.assert_close(model(**batch, output_processor=FusedLogprobProcessor()), -loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model(**batch, output_processor=LinearCEProcessor()), loss, rtol=1e-5, atol=1e-6)
