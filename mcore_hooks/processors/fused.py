@@ -90,15 +90,18 @@ class _FusedProcessor(PostprocessProcessor):
             )
         return labels_from_input_ids(ctx.input_ids, self.ignore_index, ctx.packed_seq_params)
 
-    def compute(self, ctx: PostprocessContext, *, with_labels: bool = True) -> tuple[LogprobEntropy, tuple[int, int]]:
-        """Run the kernel; returns its per-token results and the ``(b, s)`` to reshape them to."""
+    def compute(
+        self, ctx: PostprocessContext, *, with_labels: bool = True
+    ) -> tuple[LogprobEntropy, tuple[int, int], Optional[torch.Tensor]]:
+        """Run the kernel; returns its per-token results, the ``(b, s)`` to reshape them to, and
+        the ``[b, s]`` labels used (None without labels)."""
         ensure_output_weight_ready(ctx)
         hidden = ctx.hidden_states
         if hidden.dim() != 3:
             raise ValueError(f"hidden_states: expected [s, b, h], got shape {tuple(hidden.shape)}")
         s_local, b, h = hidden.shape
         s = s_local * ctx.tp_size if ctx.sequence_parallel else s_local
-        labels = None
+        labels = flat_labels = None
         if with_labels:
             labels = self.labels(ctx)
             if not isinstance(labels, torch.Tensor) or labels.shape != (b, s):
@@ -107,12 +110,12 @@ class _FusedProcessor(PostprocessProcessor):
                     f"{tuple(hidden.shape)}{' (sequence parallel)' if ctx.sequence_parallel else ''}, "
                     f"got {tuple(getattr(labels, 'shape', ()))}"
                 )
-            labels = labels.t().reshape(-1)  # [s*b], s-major like the hidden states
+            flat_labels = labels.t().reshape(-1)  # [s*b], s-major like the hidden states
         temperature = per_token_temperature(self.temperature, b, s, ctx.packed_seq_params)
         result = linear_logprob_entropy(
             hidden.reshape(-1, h),
             ctx.weight,
-            labels,
+            flat_labels,
             temperature=temperature,
             logit_scale=logit_scale_of(ctx),
             ignore_index=self.ignore_index,
@@ -120,7 +123,7 @@ class _FusedProcessor(PostprocessProcessor):
             chunk_size=self.chunk_size,
             backend=self.backend,
         )
-        return result, (b, s)
+        return result, (b, s), labels
 
     @staticmethod
     def to_bs(t: torch.Tensor, bs: tuple[int, int]) -> torch.Tensor:
@@ -132,7 +135,7 @@ class FusedLogprobProcessor(_FusedProcessor):
     """Log-probability of each label, float32 ``[b, s]`` (``-`` the stock per-token loss)."""
 
     def process(self, ctx: PostprocessContext) -> torch.Tensor:
-        r, bs = self.compute(ctx)
+        r, bs, _ = self.compute(ctx)
         return self.to_bs(r.logprob, bs)
 
 
@@ -149,7 +152,7 @@ class EntropyProcessor(_FusedProcessor):
 
     def process(self, ctx: PostprocessContext) -> torch.Tensor:
         with_labels = ctx.labels is not None or self.mask_from_labels
-        r, bs = self.compute(ctx, with_labels=with_labels)
+        r, bs, _ = self.compute(ctx, with_labels=with_labels)
         return self.to_bs(r.entropy, bs)
 
 
@@ -165,7 +168,7 @@ class LogprobEntropyProcessor(_FusedProcessor):
         self.as_tuple = as_tuple
 
     def process(self, ctx: PostprocessContext) -> Union[dict, tuple]:
-        r, bs = self.compute(ctx)
+        r, bs, _ = self.compute(ctx)
         logprobs, entropy = self.to_bs(r.logprob, bs), self.to_bs(r.entropy, bs)
         return (logprobs, entropy) if self.as_tuple else {"logprobs": logprobs, "entropy": entropy}
 
@@ -185,11 +188,10 @@ class LinearCEProcessor(_FusedProcessor):
         self.reduction = reduction
 
     def process(self, ctx: PostprocessContext) -> torch.Tensor:
-        r, bs = self.compute(ctx)
+        r, bs, labels = self.compute(ctx)
         loss = self.to_bs(-r.logprob, bs)
         if self.reduction == "none":
             return loss
-        labels = self.labels(ctx)
         weight = (labels != self.ignore_index).float()
         if ctx.loss_mask is not None:
             weight = weight * ctx.loss_mask.float()
