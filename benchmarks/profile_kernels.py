@@ -25,6 +25,7 @@ def bench(fn) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", type=int, nargs=3, default=[16384, 4096, 151936])
+    ap.add_argument("--tma", action="store_true", help="only compare TMA and pointer tile loads")
     args = ap.parse_args()
     n, h, v = args.shape
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -38,6 +39,9 @@ def main() -> None:
     print(f"shape {n}x{h}x{v}; bf16 matmul ceiling {ceiling:.0f} TF/s; 2NHV floor {flop / ceiling / 1e9:.1f} ms")
     print(f"cuBLAS logits x @ w.T (bf16 out): {bench(lambda: x @ w.t()):.1f} ms")
 
+    if args.tma:
+        compare_tma(x, w, coef, label, flop, ceiling)
+        return
     print("\nforward stats kernel: BLOCK_N BLOCK_V BLOCK_K warps stages min_splits -> ms, % of ceiling")
     base_fwd, base_splits = dict(tf._FWD), tf._MIN_SPLITS
     best = None
@@ -109,6 +113,57 @@ def main() -> None:
                 print(f"  Vc={vc} {name}: {t:.1f} ms ({flop / t / 1e9 / ceiling:.0%})", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"  Vc={vc} {name}: {type(e).__name__}: {str(e)[:100]}")
+
+
+def compare_tma(x, w, coef, label, flop, ceiling) -> None:
+    """Forward and logit-gradient kernels with tensor-descriptor (TMA) vs pointer tile loads."""
+    n, h = x.shape
+    v = w.shape[0]
+    base = (dict(tf._FWD), dict(tf._BWD), tf._MIN_SPLITS, tf._USE_TMA)
+    ref = None
+    print("\nforward: BLOCK_N BLOCK_V BLOCK_K warps stages splits tma -> ms, % of ceiling")
+    for bn, bv, bk, nw, ns in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 256, 128, 8, 2)]:
+        for splits in (4, 8):
+            for tma in (False, True):
+                tf._FWD = dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+                tf._MIN_SPLITS, tf._USE_TMA = splits, tma
+                try:
+                    st = tf.TritonFused.local_stats(x, w, coef, label, 0)
+                    t = bench(lambda: tf.TritonFused.local_stats(x, w, coef, label, 0))
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {bn} {bv} {bk} {nw} {ns} {splits} {tma}: {type(e).__name__}: {str(e)[:80]}")
+                    continue
+                lse = st.max + torch.log(st.sumexp)
+                ref = lse if ref is None else ref
+                print(f"  {bn} {bv} {bk} {nw} {ns} {splits} {tma}: {t:.1f} ms, {flop / t / 1e9 / ceiling:.0%}"
+                      f" (max |lse diff| {(lse - ref).abs().max().item():.1e})", flush=True)
+    tf._FWD, tf._BWD, tf._MIN_SPLITS, tf._USE_TMA = base
+    stats = tf.TritonFused.local_stats(x, w, coef, label, 0)
+    logz = stats.max + torch.log(stats.sumexp)
+    ent = torch.rand(n, device="cuda")
+    g1, g2 = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
+    vc = 4096
+    dz = torch.empty((n, vc), dtype=x.dtype, device="cuda")
+    print("\nlogit-gradient kernel over the vocabulary, Vc=4096: config tma -> ms")
+    for bn, bv, bk, nw, ns in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4)]:
+        cfg = dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+        for tma in (False, True):
+            tf._USE_TMA = tma
+            xa, wa, used = tf._operands(x, w, cfg)
+
+            def dlogits():
+                for v0 in range(0, v, vc):
+                    width = min(vc, v - v0)
+                    tf._dlogits_kernel[(triton.cdiv(width, bv), triton.cdiv(n, bn))](
+                        xa, wa, coef, label, logz, ent, g1, g2, dz, n, v, h, v0, width,
+                        x.stride(0), w.stride(0), dz.stride(0), EVEN_K=h % bk == 0, USE_TMA=used, **cfg)
+
+            try:
+                t = bench(dlogits)
+                print(f"  {bn} {bv} {bk} {nw} {ns} {used}: {t:.1f} ms ({flop / t / 1e9 / ceiling:.0%})", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"  {bn} {bv} {bk} {nw} {ns} {tma}: {type(e).__name__}: {str(e)[:80]}")
+    tf._USE_TMA = base[3]
 
 
 if __name__ == "__main__":

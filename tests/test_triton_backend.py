@@ -159,3 +159,26 @@ def test_triton_vocab_parallel_2_ranks():
     for rank_rows in run_on_ranks(_tp_triton, 2, 2):
         for lp, ent, dx, dw in rank_rows:
             assert lp < 2e-6 and ent < 2e-6 and dx < GRAD_TOL[DTYPES[-1]] and dw < GRAD_TOL[DTYPES[-1]]
+
+
+@pytest.mark.parametrize("shape", SHAPES[:4], ids=lambda s: "x".join(map(str, s)))
+def test_tensor_descriptor_loads_match_pointer_loads(shape, monkeypatch):
+    """The TMA (tensor-descriptor) tile loads give the same results as the pointer loads."""
+    from mcore_hooks.kernels import triton_fused
+
+    if triton_fused.TensorDescriptor is None:
+        pytest.skip("this Triton has no host tensor descriptors")
+    n, h, v = shape
+    g = torch.Generator().manual_seed(1)
+    dtype = DTYPES[-1]
+    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
+    labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    temperature = (torch.rand(n, generator=g) + 0.3).to(DEVICE)
+    g1, g2 = torch.randn(n, generator=g).to(DEVICE), torch.randn(n, generator=g).to(DEVICE)
+    results = {}
+    for tma in (False, True):
+        monkeypatch.setattr(triton_fused, "_USE_TMA", tma)
+        results[tma] = _run("triton", x, w, labels, temperature, g1, g2)
+    for a, b in zip(results[False], results[True]):
+        assert close(a, b, 1e-5)
