@@ -30,7 +30,7 @@ def goals(blob) -> list[tuple[str, str, str, bool]]:
     def ratio(a, b):
         return None if a is None or b is None else a / b
 
-    def add(name, value, target, ok, fmt="{:.2f}"):
+    def add(name, value, target, ok, fmt="{:.3f}"):
         out.append((name, "n/a" if value is None else fmt.format(value), target,
                     bool(value is not None and ok(value))))
 
