@@ -180,7 +180,14 @@ def _num_sms(index: int) -> int:
 
 def _operands(x: torch.Tensor, weight: torch.Tensor, cfg: dict) -> tuple[Any, Any, bool]:
     """Tensor descriptors for the copy engine where it can be used, else the tensors themselves."""
-    use = _USE_TMA and TensorDescriptor is not None and (x.shape[1] * x.element_size()) % 16 == 0
+    # The copy engine needs 16-byte aligned base addresses and row strides.
+    use = (
+        _USE_TMA
+        and TensorDescriptor is not None
+        and (x.shape[1] * x.element_size()) % 16 == 0
+        and x.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
     if not use:
         return x, weight, False
     return (
