@@ -19,9 +19,8 @@ import json
 import math
 import os
 import sys
-import time
 import traceback
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -233,7 +232,7 @@ def tp2(shape, rep_ms) -> dict:
     res = [q.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(60)
-    for rank, out, tb in res:
+    for rank, _, tb in res:
         if tb:
             raise RuntimeError(f"rank {rank}: {tb}")
     return {k: max(r[1][k][0] for r in res) for k in ("fwd", "fwd+bwd")}

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 import traceback
 
@@ -114,7 +113,7 @@ def _overlap_param_gather_worker(rank: int, world: int, port: int, backport: boo
         mask = torch.ones(b, 1, s, s, dtype=torch.bool, device="cuda").triu(1)
         labels = torch.randint(0, 256, (b, s), device="cuda", generator=g)
         errors = []
-        for step in range(3):
+        for _ in range(3):
             model.zero_grad_buffer()
             opt.zero_grad()
             loss = model(ids, pos, mask, labels=labels).mean()

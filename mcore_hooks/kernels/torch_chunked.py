@@ -7,7 +7,6 @@ larger than one chunk's logits (or the weight and hidden states themselves) is e
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 
@@ -37,7 +36,7 @@ class TorchChunked:
 
     @staticmethod
     def local_stats(x, weight, coef, local_label, chunk_size) -> LocalStats:
-        n, v_local = x.shape[0], weight.shape[0]
+        n = x.shape[0]
         f32 = dict(dtype=torch.float32, device=x.device)
         m, s, a, t = (torch.empty(n, **f32) for _ in range(4))
         owned = local_label >= 0

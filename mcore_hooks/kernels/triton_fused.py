@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
