@@ -145,8 +145,8 @@ def _layouts(model_class: str, tp: int) -> Iterable[tuple[bool, bool, bool]]:
     for tied in (True, False):
         for sp in (False, True) if tp > 1 else (False,):
             yield tied, sp, False
-        if packed:
-            yield tied, tp > 1, True
+            if packed:
+                yield tied, sp, True
 
 
 def run_checks(
