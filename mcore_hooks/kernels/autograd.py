@@ -72,14 +72,25 @@ def reduce_scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def rescaled(stats: LocalStats, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sumexp`` and ``plogp`` of ``stats`` re-expressed relative to ``new_max`` (>= its max),
+    so partial statistics over disjoint vocab ranges can be added."""
+    shift = stats.max - new_max
+    alpha = torch.exp(shift)
+    return stats.sumexp * alpha, (stats.plogp + shift * stats.sumexp) * alpha
+
+
+def merge_partials(parts: LocalStats) -> LocalStats:
+    """Statistics stacked over disjoint vocab ranges (dim 0) -> statistics of their union."""
+    m = parts.max.amax(dim=0)
+    s, a = rescaled(parts, m)
+    return LocalStats(m, s.sum(dim=0), a.sum(dim=0), parts.target.sum(dim=0))
+
+
 def combine(stats: LocalStats, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Shard statistics -> global ``(logZ, entropy, target logit)``: one MAX, one SUM all-reduce."""
     gmax = all_reduce(stats.max.clone(), dist.ReduceOp.MAX, group)
-    shift = stats.max - gmax
-    alpha = torch.exp(shift)
-    summed = torch.stack(
-        [stats.sumexp * alpha, (stats.plogp + shift * stats.sumexp) * alpha, stats.target]
-    )
+    summed = torch.stack([*rescaled(stats, gmax), stats.target])
     all_reduce(summed, dist.ReduceOp.SUM, group)
     s, a, target = summed[0], summed[1], summed[2]
     log_s = torch.log(s)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .autograd import LocalStats
+from .autograd import LocalStats, merge_partials
 
 try:  # Triton is optional; the torch backend needs none of this.
     import triton
@@ -237,13 +237,7 @@ class TritonFused:
             n, v, h, x.stride(0), weight.stride(0), tiles_per_split, splits,
             EVEN_K=h % cfg["BLOCK_K"] == 0, USE_TMA=tma, **cfg,
         )
-        m_split, s_split, a_split, t_split = parts
-        m = m_split.amax(dim=0)
-        shift = m_split - m
-        alpha = torch.exp(shift)
-        s = (s_split * alpha).sum(dim=0)
-        a = ((a_split + shift * s_split) * alpha).sum(dim=0)
-        return LocalStats(m, s, a, t_split.sum(dim=0))
+        return merge_partials(LocalStats(*parts))
 
     @staticmethod
     def grads(x, weight, coef, local_label, logz, entropy, g1, g2, chunk_size, need_x, need_w):
