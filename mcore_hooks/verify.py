@@ -75,6 +75,14 @@ def _stock_masked_sum(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return (loss * mask).sum() if mask is not None else loss.sum()
 
 
+def _stock_masked_mean(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    loss = model(**batch)
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return loss.mean()
+    return (loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
 # fp32 tolerance for the fused processors: they sum in a different order than stock.
 _FP32 = 1e-5
 
@@ -92,6 +100,10 @@ PROCESSOR_CHECKS: tuple[ProcessorCheck, ...] = (
     ProcessorCheck(
         "LinearCEProcessor, sum", lambda: LinearCEProcessor(reduction="sum"),
         _stock_masked_sum, True, _FP32,
+    ),
+    ProcessorCheck(
+        "LinearCEProcessor, mean", lambda: LinearCEProcessor(reduction="mean"),
+        _stock_masked_mean, True, _FP32,
     ),
 )
 

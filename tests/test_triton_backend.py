@@ -14,7 +14,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from mcore_hooks.kernels import VocabParallel, linear_logprob_entropy  # noqa: E402
+from mcore_hooks.kernels import VocabParallel, linear_cross_entropy, linear_logprob_entropy  # noqa: E402
 from mcore_hooks.testing import run_on_ranks  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -59,6 +59,7 @@ SHAPES = [  # (tokens, hidden, vocab): nothing divisible by the tiles
     (130, 64, 257),
     (5, 16, 1),
     (129, 96, 1031),
+    (40, 512, 1100),  # hidden >= the vocab tile: the gradient chunk lives in the dX output
 ]
 if ON_GPU:
     SHAPES += [(1000, 512, 32003), (4099, 1024, 151936 // 8 + 3)]
@@ -94,6 +95,38 @@ def test_triton_matches_torch_backend_and_float64(shape, dtype):
             assert rel(got, want) <= 2 * rel(base, want) + 1e-3
     ignored = labels == -100
     assert (tri[0][ignored] == 0).all() and (tri[2][ignored] == 0).all()
+
+
+def _run_ce(backend, x, w, labels, token_weight, temperature, grad_out, **kw):
+    x = x.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    loss = linear_cross_entropy(
+        x, w, labels, token_weight=token_weight, temperature=temperature, backend=backend, **kw
+    )
+    (loss * grad_out).backward()
+    return loss.detach(), x.grad, w.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_triton_cross_entropy_matches_torch_backend(shape, dtype, chunk):
+    """The reduced cross-entropy's row passes (stats, logit gradient) on Triton against torch's."""
+    n, h, v = shape
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < 0.2] = -100
+    labels = labels.to(DEVICE)
+    tw = torch.rand(n, generator=g).to(DEVICE)
+    temperature = (torch.rand(n, generator=g) + 0.3).to(DEVICE)
+    tri = _run_ce("triton", x, w, labels, tw, temperature, -0.7, chunk_size=chunk)
+    ref = _run_ce("torch", x, w, labels, tw, temperature, -0.7, chunk_size=chunk)
+    lp = _reference(x.cpu(), w.cpu(), labels.cpu(), temperature.cpu(), torch.ones(n), torch.zeros(n))[0]
+    assert close(tri[0].cpu(), -(lp * tw.cpu().double()).sum(), 1e-6)
+    assert close(tri[0], ref[0], 1e-6)
+    assert rel(tri[1], ref[1]) < GRAD_TOL[dtype] / 4 and rel(tri[2], ref[2]) < GRAD_TOL[dtype] / 4
 
 
 def test_triton_is_deterministic():
@@ -151,6 +184,46 @@ def _tp_triton(world):
         out.append((rel(got[0].cpu(), ref[0]), rel(got[1].cpu(), ref[1]),
                     rel(got[2].cpu(), ref[2][tokens]), rel(got[3].cpu(), ref[3][shard])))
     return out
+
+
+def _tp_triton_ce(world):
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank = dist.get_rank(group)
+    dev = f"cuda:{rank}" if ON_GPU else "cpu"
+    if ON_GPU:
+        torch.cuda.set_device(rank)
+    g = torch.Generator().manual_seed(4)
+    n, h, v_rank = 16 * world, 48, 67
+    dtype = DTYPES[-1]
+    x = torch.randn(n, h, generator=g).to(dtype)
+    w = (torch.randn(v_rank * world, h, generator=g) / math.sqrt(h)).to(dtype)
+    labels = torch.randint(0, v_rank * world, (n,), generator=g)
+    labels[:world] = torch.arange(world) * v_rank + v_rank - 1  # last id of each shard
+    tw = torch.rand(n, generator=g)
+    full = _run_ce("torch", x, w, labels, tw, 0.9, 1.3, chunk_size=7)  # one rank, whole vocab
+    out = []
+    for sp in (False, True):
+        tokens = slice(rank * n // world, (rank + 1) * n // world) if sp else slice(None)
+        shard = slice(rank * v_rank, (rank + 1) * v_rank)
+        got = _run_ce(
+            "triton", x[tokens].to(dev), w[shard].to(dev), labels.to(dev), tw.to(dev), 0.9, 1.3,
+            chunk_size=7, parallel=VocabParallel(group, rank * v_rank, sp),
+        )
+        out.append((abs(float(got[0]) / float(full[0]) - 1), rel(got[1].cpu(), full[1][tokens]),
+                    rel(got[2].cpu(), full[2][shard])))
+    return out
+
+
+def test_triton_cross_entropy_vocab_parallel_2_ranks():
+    if ON_GPU and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    for rank_rows in run_on_ranks(_tp_triton_ce, 2, 2):
+        for loss, dx, dw in rank_rows:
+            assert loss < 1e-6 and dx < GRAD_TOL[DTYPES[-1]] / 4 and dw < GRAD_TOL[DTYPES[-1]] / 4
 
 
 def test_triton_vocab_parallel_2_ranks():

@@ -1,9 +1,10 @@
 """The math behind the processors, on plain tensors and process groups (no models).
 
-One entry point, :func:`linear_logprob_entropy`: per-token log-probability of the labels and entropy
-of ``softmax(scale * hidden @ weight.T / temperature)`` over a vocabulary that may be split across
-the tensor-parallel group, without materialising ``[tokens, vocab]`` logits. It checks its inputs
-and dispatches to a backend: ``torch`` (chunked, CPU and GPU, any dtype) or ``triton`` (logits fused
+Two entry points over ``softmax(scale * hidden @ weight.T / temperature)``, with a vocabulary that
+may be split across the tensor-parallel group, never materialising ``[tokens, vocab]`` logits:
+:func:`linear_logprob_entropy` (per-token log-probability of the labels and entropy) and
+:func:`linear_cross_entropy` (the cross-entropy reduced to one weighted sum, whose gradients are
+formed during the forward). They check their inputs and dispatch to a backend: ``torch`` (chunked, CPU and GPU, any dtype) or ``triton`` (logits fused
 into the matmul, CUDA, bf16/fp16); ``auto`` takes Triton where it can run, else torch. Both keep
 logits in fp32 and satisfy the same tests (values to fp32 rounding; gradients to the input dtype's).
 """
@@ -16,11 +17,14 @@ from typing import NamedTuple, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .autograd import Backend, LinearLogSoftmaxStats
+from .autograd import Backend, LinearCrossEntropy, LinearLogSoftmaxStats
 from .options import VocabParallel
 from .torch_chunked import TorchChunked
 
-__all__ = ["VocabParallel", "LogprobEntropy", "linear_logprob_entropy", "BACKENDS", "default_chunk_size"]
+__all__ = [
+    "VocabParallel", "LogprobEntropy", "linear_logprob_entropy", "linear_cross_entropy", "BACKENDS",
+    "default_chunk_size",
+]
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -71,9 +75,84 @@ def linear_logprob_entropy(
         parallel: the vocab-parallel layout (:class:`VocabParallel`).
         chunk_size: tokens per chunk of the torch backend (default: about 2**26 logits per
             chunk); the Triton backend never holds forward logits and sizes its backward
-            gradient chunks itself (about 64 MiB).
+            gradient chunks itself (up to ``H`` vocab columns inside the dX output, else about
+            128 MiB).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
     """
+    p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
+                 chunk_size, backend)
+    logprob, entropy, logz = LinearLogSoftmaxStats.apply(
+        hidden, weight, p.labels, p.coef, p.valid, int(parallel.vocab_start), p.group, p.sp,
+        p.chunk_size, p.backend,
+    )
+    return LogprobEntropy(logprob if labels is not None else None, entropy, logz)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    token_weight: Optional[torch.Tensor] = None,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    logit_scale: float = 1.0,
+    ignore_index: int = -100,
+    parallel: VocabParallel = VocabParallel(),
+    chunk_size: Optional[int] = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Reduced cross-entropy ``sum_i token_weight_i * -log p_i(labels_i)``, a float32 scalar.
+
+    The same distribution and arguments as :func:`linear_logprob_entropy` (labels required);
+    ``token_weight`` is a float ``[N]`` (default: ones, the sum; pass ``mask / mask.sum()`` for a
+    mean). When a gradient is needed the logit gradients are formed in the forward, one token
+    chunk at a time (``chunk_size`` tokens; their logit gradient and half a chunk of fp32 logits
+    take about 2.5 GiB by default with the Triton backend, 256 MiB with torch), so the forward does 3 matmuls and the backward only scales the result: the
+    forward holds float32 dX ``[N, H]`` and dW ``[V_local, H]`` until the backward (each is
+    rounded to the input dtype once). Without a gradient it is the log-prob pass, reduced.
+    """
+    if labels is None:
+        raise ValueError("labels: linear_cross_entropy needs labels")
+    p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
+                 chunk_size, backend, reduced=True)
+    if token_weight is None:
+        tw = torch.ones(p.n, dtype=torch.float32, device=hidden.device)
+    else:
+        if not isinstance(token_weight, torch.Tensor) or not token_weight.dtype.is_floating_point:
+            raise TypeError(
+                f"token_weight: expected a float tensor, got {getattr(token_weight, 'dtype', type(token_weight).__name__)}"
+            )
+        if token_weight.shape != (p.n,):
+            raise ValueError(f"token_weight: expected shape ({p.n},) (one per token), got {tuple(token_weight.shape)}")
+        tw = token_weight.detach().to(device=hidden.device, dtype=torch.float32)
+    need_x = hidden.requires_grad and torch.is_grad_enabled()
+    need_w = weight.requires_grad and torch.is_grad_enabled()
+    if not (need_x or need_w):
+        logprob, _, _ = LinearLogSoftmaxStats.apply(
+            hidden, weight, p.labels, p.coef, p.valid, int(parallel.vocab_start), p.group, p.sp,
+            p.chunk_size, p.backend,
+        )
+        return -(logprob * tw).sum()
+    return LinearCrossEntropy.apply(
+        hidden, weight, p.labels, p.coef, tw, p.valid, int(parallel.vocab_start), p.group, p.sp,
+        p.chunk_size, p.backend, need_x, need_w,
+    )
+
+
+class _Prepared(NamedTuple):
+    n: int
+    labels: torch.Tensor  # [N] long, -1 for entropy-only
+    valid: torch.Tensor  # [N] bool
+    coef: torch.Tensor  # [N] float32: logit_scale / temperature
+    group: object
+    sp: bool
+    chunk_size: int
+    backend: Backend
+
+
+def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel, chunk_size,
+             backend, reduced: bool = False) -> _Prepared:
+    """Check the arguments (errors name the argument) and put them in the kernels' form."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     for name, t in (("hidden", hidden), ("weight", weight)):
@@ -104,8 +183,12 @@ def linear_logprob_entropy(
         )
     if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale) and logit_scale > 0):
         raise ValueError(f"logit_scale: expected a positive finite float, got {logit_scale!r}")
+    backend_impl = _select_backend(backend, hidden)
     if chunk_size is None:
-        chunk_size = default_chunk_size(weight.shape[0])
+        chunk_size = (
+            _reduced_chunk_size(backend_impl, n, weight.shape[0], hidden.element_size())
+            if reduced else default_chunk_size(weight.shape[0])
+        )
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
 
@@ -128,11 +211,22 @@ def linear_logprob_entropy(
             )
     coef = float(logit_scale) / _temperature(temperature, n, dev)
     group = parallel.group if tp > 1 else None
-    logprob, entropy, logz = LinearLogSoftmaxStats.apply(
-        hidden, weight, gl, coef, valid, int(parallel.vocab_start), group, sp, chunk_size,
-        _select_backend(backend, hidden),
-    )
-    return LogprobEntropy(logprob if labels is not None else None, entropy, logz)
+    return _Prepared(n, gl, valid, coef, group, sp, chunk_size, backend_impl)
+
+
+def _reduced_chunk_size(backend: Backend, n: int, v_local: int, itemsize: int) -> int:
+    """Tokens per chunk of the reduced cross-entropy: the chunk's logit gradient (input dtype)
+    and half a chunk of fp32 logits within the backend's budget, balanced so the last chunk is
+    not a sliver."""
+    budget = getattr(backend, "ce_chunk_bytes", _CHUNK_ELEMENTS * 4)
+    most = max(1, budget // (max(1, v_local) * (itemsize + 2)))
+    chunks = -(-n // most)
+    even = -(-n // chunks)
+    if most < 256 or even >= n:
+        return max(1, even)
+    # a multiple of 256, so each half chunk is whole 128-row matmul tiles
+    up = -(-even // 256) * 256
+    return up if up <= most else even // 256 * 256
 
 
 def _select_backend(name: str, hidden: torch.Tensor) -> Backend:

@@ -7,27 +7,14 @@ larger than one chunk's logits (or the weight and hidden states themselves) is e
 
 from __future__ import annotations
 
-
 import torch
 
 from .autograd import LocalStats
-
-
-def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``a @ b`` on operands in ``dtype`` (the model's precision) with a float32 result."""
-    a, b = a.to(dtype), b.to(dtype)
-    if dtype == torch.float32:
-        return a @ b
-    if a.is_cuda:
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
-            pass
-    return a.float() @ b.float()
+from .matmul import addmm_f32_, mm_f32
 
 
 def _chunk_logits(x, weight, coef, start, end):
-    z = _mm(x[start:end], weight.t(), x.dtype)
+    z = mm_f32(x[start:end], weight.t())
     return z.mul_(coef[start:end].unsqueeze(1))
 
 
@@ -72,10 +59,26 @@ class TorchChunked:
             z.add_(g1[start:end].unsqueeze(1)).mul_(p).neg_()
             del p
             z.scatter_add_(1, index[start:end], g_target[start:end])
-            z.mul_(coef[start:end].unsqueeze(1))
-            if need_x:
-                dx[start:end] = _mm(z, weight, x.dtype)
-            if need_w:
-                dw += _mm(z.t(), x[start:end], x.dtype)
+            dz = z.mul_(coef[start:end].unsqueeze(1)).to(x.dtype)  # rounded as stock rounds it
             del z
+            if need_x:
+                dx[start:end] = mm_f32(dz, weight)
+            if need_w:
+                addmm_f32_(dw, dz.t(), x[start:end])
+            del dz
         return dx, (dw.to(weight.dtype) if need_w else None)
+
+    @staticmethod
+    def ce_row_stats(z, coef, local_label) -> LocalStats:
+        l = z * coef.unsqueeze(1)
+        m = l.amax(dim=1)
+        s = torch.exp(l - m.unsqueeze(1)).sum(dim=1)
+        t = l.gather(1, local_label.clamp(min=0).unsqueeze(1)).squeeze(1)
+        return LocalStats(m, s, torch.zeros_like(m), torch.where(local_label >= 0, t, 0.0))
+
+    @staticmethod
+    def ce_row_grad(z, coef, local_label, logz, scale, out):
+        g = torch.exp(z * coef.unsqueeze(1) - logz.unsqueeze(1))  # p
+        owned = (local_label >= 0).to(g.dtype).unsqueeze(1)
+        g.scatter_add_(1, local_label.clamp(min=0).unsqueeze(1), -owned)  # p - onehot
+        return out.copy_(g.mul_(scale.unsqueeze(1)))

@@ -3,14 +3,17 @@
 Forward (``local_stats``): one kernel, grid (token blocks x vocab splits). Each program computes a
 ``[BLOCK_N, BLOCK_V]`` logits tile with ``tl.dot`` over the hidden size (fp32 accumulators), scales
 it by ``coef = logit_scale / temperature`` and folds it into running per-row max / sum-exp /
-entropy term / label logit held in registers; logits never reach memory. The per-split partials
+entropy term held in registers; logits never reach memory. The label's logit is one fp32 dot per
+token in a separate small kernel, which keeps the tiles' epilogue short. The per-split partials
 (``[splits, N]``, a few MiB) are merged in PyTorch. Any vocabulary size: tiles past the end are
 masked, no divisibility is assumed.
 
 Backward (``grads``): the vocabulary is walked in chunks of ``Vc`` rows. A kernel recomputes the
 ``[N, Vc]`` logits tile by tile and writes their gradient ``dz`` (in the input dtype) once; cuBLAS
 then forms ``dW[chunk] = dz.T @ X`` in one call (a single rounding, K = N) and accumulates
-``dX += dz @ W[chunk]`` into a float32 buffer. No atomics: results are deterministic.
+``dX += dz @ W[chunk]`` into a float32 buffer. With ``Vc <= H``, ``dz`` is kept in the bf16 dX
+output, which is written only at the end: the backward's only extra memory is the fp32 dX
+accumulator. No atomics: results are deterministic.
 
 bf16/fp16 inputs only (fp32 inputs use the torch backend, whose fp32 matmuls are exact).
 """
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 from .autograd import LocalStats, merge_partials
+from .matmul import addmm_f32_
 
 try:  # Triton is optional; the torch backend needs none of this.
     import triton
@@ -51,10 +55,13 @@ def available(device: torch.device) -> bool:
 # epilogue; 8 warps drive Hopper's wgmma.
 _FWD = dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3)
 _BWD = dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3)
-# Backward gradient chunk [N, Vc] in the input dtype: about this many bytes. Measured on an H200
-# at 16384 x 4096 x 151936 (benchmarks/profile_kernels.py): Vc = 4096 lets cuBLAS accumulate dX
-# at 91% of the matmul ceiling, against 80% at 2048.
+# Backward gradient chunk [N, Vc] in the input dtype: at least this many bytes (Vc = H, the most
+# the dX output can hold, when that is wider). Measured on an H200 at 16384 x 4096 x 151936
+# (benchmarks/profile_kernels.py): Vc = 4096 lets cuBLAS accumulate dX at 91% of the matmul
+# ceiling, against 80% at 2048.
 _BWD_CHUNK_BYTES = 128 << 20
+# Elements per step of the cross-entropy row passes (8 warps, 16 fp32 per thread).
+_ROW_BLOCK = 4096
 # Fewest vocab splits of the forward grid: 4 measured fastest with TMA loads (32.9 ms, against
 # 35.1 at 8; benchmarks/profile_h200_tma.log).
 _MIN_SPLITS = 4
@@ -95,7 +102,7 @@ if triton is not None:
 
     @triton.jit
     def _stats_fwd_kernel(
-        X, W, COEF, LABEL, M, S, A, T,
+        X, W, COEF, M, S, A,
         N, V, H, stride_x, stride_w, tiles_per_split, splits,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         USE_TMA: tl.constexpr,
@@ -109,25 +116,25 @@ if triton is not None:
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         coef = tl.load(COEF + rows, mask=rmask, other=1.0)
-        label = tl.load(LABEL + rows, mask=rmask, other=-1)
         # Finite start: (m_old - m_new) * s stays 0, never -inf * 0, before the first tile.
         m = tl.full([BLOCK_N], -1e30, dtype=tl.float32)
         s = tl.zeros([BLOCK_N], dtype=tl.float32)
         a = tl.zeros([BLOCK_N], dtype=tl.float32)
-        t = tl.zeros([BLOCK_N], dtype=tl.float32)
         for vt in range(0, tiles_per_split):
             col0 = (pid_s * tiles_per_split + vt) * BLOCK_V
             cols = col0 + tl.arange(0, BLOCK_V)
             cmask = cols < V
+            # Columns past the vocabulary get -1e30: exp underflows to 0 and e * d is -0, so no
+            # per-element masking is needed (each split's first tile has a real column, so m is
+            # finite and real before any all-padding tile).
+            bias = tl.where(cmask, 0.0, -1e30)
             l = _logits_tile(X, W, rows, cols, rmask, cmask, pid_n * BLOCK_N, col0, H,
                              stride_x, stride_w, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K,
-                             USE_TMA) * coef[:, None]
-            l = tl.where(cmask[None, :], l, -float("inf"))
-            t += tl.sum(tl.where(cols[None, :] == label[:, None], l, 0.0), axis=1)
+                             USE_TMA) * coef[:, None] + bias[None, :]
             m_new = tl.maximum(m, tl.max(l, axis=1))
             alpha = tl.exp(m - m_new)
-            d = tl.where(cmask[None, :], l - m_new[:, None], 0.0)  # masked: 0, not -inf
-            e = tl.where(cmask[None, :], tl.exp(d), 0.0)
+            d = l - m_new[:, None]
+            e = tl.exp(d)
             a = alpha * (a + (m - m_new) * s) + tl.sum(e * d, axis=1)
             s = alpha * s + tl.sum(e, axis=1)
             m = m_new
@@ -135,7 +142,22 @@ if triton is not None:
         tl.store(M + out, m, mask=rmask)
         tl.store(S + out, s, mask=rmask)
         tl.store(A + out, a, mask=rmask)
-        tl.store(T + out, t, mask=rmask)
+
+    @triton.jit
+    def _target_logit_kernel(X, W, COEF, LABEL, T, H, stride_x, stride_w, BLOCK_H: tl.constexpr):
+        """``coef * x[row] . W[label]`` in fp32 (0 where the label is not this shard's): one dot
+        per token, kept out of the forward tiles' epilogue."""
+        row = tl.program_id(0)
+        label = tl.load(LABEL + row)
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        if label >= 0:
+            for k in range(0, H, BLOCK_H):
+                offs = k + tl.arange(0, BLOCK_H)
+                hmask = offs < H
+                x = tl.load(X + row.to(tl.int64) * stride_x + offs, mask=hmask, other=0.0)
+                w = tl.load(W + label * stride_w + offs, mask=hmask, other=0.0)
+                acc += x.to(tl.float32) * w.to(tl.float32)
+        tl.store(T + row, tl.sum(acc, axis=0) * tl.load(COEF + row))
 
     @triton.jit
     def _dlogits_kernel(
@@ -171,6 +193,45 @@ if triton is not None:
         tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
+    # Row passes of the reduced cross-entropy over one chunk's materialised fp32 logits (raw
+    # x @ W.T; coef applied on load). One program per row; memory-bound.
+    @triton.jit
+    def _ce_row_stats_kernel(Z, COEF, LABEL, M, S, T, V, stride_z, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        base = Z + row.to(tl.int64) * stride_z
+        coef = tl.load(COEF + row)
+        label = tl.load(LABEL + row)
+        m = tl.max(tl.full([BLOCK], -1e30, dtype=tl.float32), axis=0)  # finite start, as above
+        s = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)
+        for j in range(0, V, BLOCK):
+            cols = j + tl.arange(0, BLOCK)
+            l = tl.load(base + cols, mask=cols < V, other=-float("inf")) * coef
+            m_new = tl.maximum(m, tl.max(l, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(l - m_new), axis=0)
+            m = m_new
+        t = tl.load(base + tl.maximum(label, 0)) * coef
+        tl.store(M + row, m)
+        tl.store(S + row, s)
+        tl.store(T + row, tl.where(label >= 0, t, 0.0))
+
+    @triton.jit
+    def _ce_row_grad_kernel(Z, DZ, COEF, LABEL, LOGZ, SCALE, V, stride_z, stride_dz,
+                            BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        base = Z + row.to(tl.int64) * stride_z
+        out = DZ + row.to(tl.int64) * stride_dz
+        coef = tl.load(COEF + row)
+        label = tl.load(LABEL + row)
+        logz = tl.load(LOGZ + row)
+        scale = tl.load(SCALE + row)
+        for j in range(0, V, BLOCK):
+            cols = j + tl.arange(0, BLOCK)
+            mask = cols < V
+            p = tl.exp(tl.load(base + cols, mask=mask, other=0.0) * coef - logz)
+            g = (p - tl.where(cols == label, 1.0, 0.0)) * scale
+            tl.store(out + cols, g.to(DZ.dtype.element_ty), mask=mask)
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
@@ -197,24 +258,13 @@ def _operands(x: torch.Tensor, weight: torch.Tensor, cfg: dict) -> tuple[Any, An
     )
 
 
-def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with fp32 ``acc`` and bf16/fp16 ``a``, ``b`` (fp32 accumulation)."""
-    if acc.is_cuda:
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            return
-        except (TypeError, RuntimeError, NotImplementedError):
-            pass
-        try:
-            acc += torch.mm(a, b, out_dtype=torch.float32)
-            return
-        except (TypeError, RuntimeError, NotImplementedError):
-            pass
-    acc += a.float() @ b.float()
-
-
 class TritonFused:
     name = "triton"
+    # Reduced cross-entropy: bytes of one token chunk's logit gradient plus half a chunk of fp32
+    # logits. Larger chunks mean fewer passes of cuBLAS over the fp32 dW accumulator (V x H x 8
+    # bytes each): at 16384 x 4096 x 151936 on an H200, dW runs at 91% of the matmul ceiling with
+    # 4096-token chunks, 83% with 2048 (benchmarks/profile_h200_ce.log).
+    ce_chunk_bytes = 5 << 29
 
     @staticmethod
     def local_stats(x, weight, coef, local_label, chunk_size) -> LocalStats:
@@ -229,15 +279,18 @@ class TritonFused:
         tiles_per_split = triton.cdiv(vtiles, min(vtiles, want))
         splits = triton.cdiv(vtiles, tiles_per_split)
         x, weight = x.contiguous(), weight.contiguous()
-        parts = torch.empty((4, splits, n), dtype=torch.float32, device=x.device)
+        coef, local_label = coef.contiguous(), local_label.contiguous()
+        parts = torch.empty((3, splits, n), dtype=torch.float32, device=x.device)
         xa, wa, tma = _operands(x, weight, cfg)
         _stats_fwd_kernel[(row_blocks * splits,)](
-            xa, wa, coef.contiguous(), local_label.contiguous(),
-            parts[0], parts[1], parts[2], parts[3],
+            xa, wa, coef, parts[0], parts[1], parts[2],
             n, v, h, x.stride(0), weight.stride(0), tiles_per_split, splits,
             EVEN_K=h % cfg["BLOCK_K"] == 0, USE_TMA=tma, **cfg,
         )
-        return merge_partials(LocalStats(*parts))
+        target = torch.empty((1, n), dtype=torch.float32, device=x.device)
+        _target_logit_kernel[(n,)](x, weight, coef, local_label, target, h, x.stride(0),
+                                   weight.stride(0), BLOCK_H=1024, num_warps=4)
+        return merge_partials(LocalStats(parts[0], parts[1], parts[2], target))
 
     @staticmethod
     def grads(x, weight, coef, local_label, logz, entropy, g1, g2, chunk_size, need_x, need_w):
@@ -246,8 +299,15 @@ class TritonFused:
         cfg = _BWD
         x, weight = x.contiguous(), weight.contiguous()
         vc = max(cfg["BLOCK_V"], (_BWD_CHUNK_BYTES // (max(n, 1) * x.element_size())) // cfg["BLOCK_V"] * cfg["BLOCK_V"])
+        in_dx = need_x and h // cfg["BLOCK_V"] * cfg["BLOCK_V"] >= vc
+        if in_dx:  # the gradient chunk lives in dX's own (not yet written) output: no extra memory
+            vc = h // cfg["BLOCK_V"] * cfg["BLOCK_V"]
         vc = min(vc, triton.cdiv(v, cfg["BLOCK_V"]) * cfg["BLOCK_V"])
-        dz = torch.empty((n, vc), dtype=x.dtype, device=x.device)
+        dx_out = torch.empty((n, h), dtype=x.dtype, device=x.device) if need_x else None
+        if in_dx:
+            dz = dx_out.view(-1)[: n * vc].view(n, vc)
+        else:
+            dz = torch.empty((n, vc), dtype=x.dtype, device=x.device)
         dx = torch.zeros((n, h), dtype=torch.float32, device=x.device) if need_x else None
         dw = torch.empty_like(weight) if need_w else None
         row_blocks = triton.cdiv(n, cfg["BLOCK_N"])
@@ -263,5 +323,20 @@ class TritonFused:
             if need_w:
                 torch.mm(chunk.t(), x, out=dw[v0 : v0 + width])
             if need_x:
-                _accumulate_mm(dx, chunk, weight[v0 : v0 + width])
-        return (dx.to(x.dtype) if need_x else None), dw
+                addmm_f32_(dx, chunk, weight[v0 : v0 + width])
+        return (dx_out.copy_(dx) if need_x else None), dw
+
+    @staticmethod
+    def ce_row_stats(z, coef, local_label) -> LocalStats:
+        c, v = z.shape
+        m, s, t = torch.empty((3, c), dtype=torch.float32, device=z.device)
+        _ce_row_stats_kernel[(c,)](z, coef, local_label, m, s, t, v, z.stride(0),
+                                   BLOCK=_ROW_BLOCK, num_warps=8)
+        return LocalStats(m, s, torch.zeros_like(m), t)
+
+    @staticmethod
+    def ce_row_grad(z, coef, local_label, logz, scale, out):
+        c, v = z.shape
+        _ce_row_grad_kernel[(c,)](z, out, coef, local_label, logz, scale, v, z.stride(0),
+                                  out.stride(0), BLOCK=_ROW_BLOCK, num_warps=8)
+        return out

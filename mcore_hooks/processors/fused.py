@@ -10,12 +10,18 @@ are made; the output layer's weight is read directly.
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, NamedTuple, Optional, Union
 
 import torch
 
 from .. import compat
-from ..kernels import BACKENDS, LogprobEntropy, VocabParallel, linear_logprob_entropy
+from ..kernels import (
+    BACKENDS,
+    LogprobEntropy,
+    VocabParallel,
+    linear_cross_entropy,
+    linear_logprob_entropy,
+)
 from ..postprocess import PostprocessContext, PostprocessProcessor
 from .labels import labels_from_input_ids, per_token_temperature
 
@@ -54,6 +60,15 @@ def ensure_output_weight_ready(ctx: PostprocessContext) -> None:
         hook(layer, (ctx.hidden_states,))
 
 
+class _KernelInputs(NamedTuple):
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    labels: Optional[torch.Tensor]
+    kwargs: dict
+    bs: tuple[int, int]
+    labels_bs: Optional[torch.Tensor]
+
+
 class _FusedProcessor(PostprocessProcessor):
     """Shared options and the adaptation from the hook's keywords to the kernel."""
 
@@ -90,11 +105,10 @@ class _FusedProcessor(PostprocessProcessor):
             )
         return labels_from_input_ids(ctx.input_ids, self.ignore_index, ctx.packed_seq_params)
 
-    def compute(
-        self, ctx: PostprocessContext, *, with_labels: bool = True
-    ) -> tuple[LogprobEntropy, tuple[int, int], Optional[torch.Tensor]]:
-        """Run the kernel; returns its per-token results, the ``(b, s)`` to reshape them to, and
-        the ``[b, s]`` labels used (None without labels)."""
+    def kernel_inputs(self, ctx: PostprocessContext, *, with_labels: bool = True) -> "_KernelInputs":
+        """The hook's keywords in the kernels' form: ``[tokens, h]`` hidden states (s-major),
+        flat labels, keyword arguments, the ``(b, s)`` to reshape per-token results to, and the
+        ``[b, s]`` labels used (None without labels)."""
         ensure_output_weight_ready(ctx)
         hidden = ctx.hidden_states
         if hidden.dim() != 3:
@@ -111,19 +125,24 @@ class _FusedProcessor(PostprocessProcessor):
                     f"got {tuple(getattr(labels, 'shape', ()))}"
                 )
             flat_labels = labels.t().reshape(-1)  # [s*b], s-major like the hidden states
-        temperature = per_token_temperature(self.temperature, b, s, ctx.packed_seq_params)
-        result = linear_logprob_entropy(
-            hidden.reshape(-1, h),
-            ctx.weight,
-            flat_labels,
-            temperature=temperature,
+        kwargs = dict(
+            temperature=per_token_temperature(self.temperature, b, s, ctx.packed_seq_params),
             logit_scale=logit_scale_of(ctx),
             ignore_index=self.ignore_index,
             parallel=VocabParallel(ctx.tp_group, ctx.vocab_start, ctx.sequence_parallel),
             chunk_size=self.chunk_size,
             backend=self.backend,
         )
-        return result, (b, s), labels
+        return _KernelInputs(hidden.reshape(-1, h), ctx.weight, flat_labels, kwargs, (b, s), labels)
+
+    def compute(
+        self, ctx: PostprocessContext, *, with_labels: bool = True
+    ) -> tuple[LogprobEntropy, tuple[int, int], Optional[torch.Tensor]]:
+        """Run the log-prob / entropy kernel; returns its per-token results, the ``(b, s)`` to
+        reshape them to, and the ``[b, s]`` labels used (None without labels)."""
+        k = self.kernel_inputs(ctx, with_labels=with_labels)
+        result = linear_logprob_entropy(k.hidden, k.weight, k.labels, **k.kwargs)
+        return result, k.bs, k.labels_bs
 
     @staticmethod
     def to_bs(t: torch.Tensor, bs: tuple[int, int]) -> torch.Tensor:
@@ -178,7 +197,11 @@ class LinearCEProcessor(_FusedProcessor):
 
     ``reduction="none"``: float32 ``[b, s]``, equal to the stock per-token loss (0 at
     ``ignore_index``). ``"sum"`` / ``"mean"``: a scalar over positions where ``loss_mask`` (if the
-    model got one) is nonzero and the label is not ignored; ``"mean"`` divides by that mask's sum.
+    model got one) is nonzero and the label is not ignored, weighted by the mask; ``"mean"``
+    divides by the mask's sum. The reduced losses take
+    :func:`~mcore_hooks.kernels.linear_cross_entropy`: their gradients are formed during the
+    forward (three matmuls instead of four), and the forward holds float32 gradients for the
+    hidden states and the output weight until the backward.
     """
 
     def __init__(self, *, reduction: Literal["none", "sum", "mean"] = "none", **kwargs: Any) -> None:
@@ -188,12 +211,14 @@ class LinearCEProcessor(_FusedProcessor):
         self.reduction = reduction
 
     def process(self, ctx: PostprocessContext) -> torch.Tensor:
-        r, bs, labels = self.compute(ctx)
-        loss = self.to_bs(-r.logprob, bs)
         if self.reduction == "none":
-            return loss
-        weight = (labels != self.ignore_index).float()
+            r, bs, _ = self.compute(ctx)
+            return self.to_bs(-r.logprob, bs)
+        k = self.kernel_inputs(ctx)
+        weight = (k.labels_bs != self.ignore_index).float()
         if ctx.loss_mask is not None:
             weight = weight * ctx.loss_mask.float()
-        total = (loss * weight).sum()
-        return total if self.reduction == "sum" else total / weight.sum().clamp(min=1.0)
+        if self.reduction == "mean":
+            weight = weight / weight.sum().clamp(min=1.0)
+        token_weight = weight.t().reshape(-1)  # s-major, like the kernel's tokens
+        return linear_cross_entropy(k.hidden, k.weight, k.labels, token_weight=token_weight, **k.kwargs)
