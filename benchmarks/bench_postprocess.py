@@ -70,10 +70,10 @@ def hooks(backend: str):
 
 
 def hooks_ce(backend: str):
-    from mcore_hooks.kernels import linear_logprob_entropy
+    from mcore_hooks.kernels import linear_cross_entropy
 
-    def run(x, w, y):
-        return -linear_logprob_entropy(x, w, y, backend=backend).logprob.sum()
+    def run(x, w, y):  # the processor's reduction="sum": gradients formed in the forward
+        return linear_cross_entropy(x, w, y, backend=backend)
 
     return run
 
@@ -91,7 +91,7 @@ METHODS: list[tuple[str, str, Callable]] = [
     ("stock RL: logits -> fp32 log_softmax -> logprob+entropy", "lp+ent", lambda: stock_rl),
     ("mcore-hooks torch, logprob+entropy", "lp+ent", lambda: hooks("torch")),
     ("mcore-hooks triton, logprob+entropy", "lp+ent", lambda: hooks("triton")),
-    ("mcore-hooks triton, linear-CE", "loss", lambda: hooks_ce("triton")),
+    ("mcore-hooks triton, linear-CE (sum)", "loss", lambda: hooks_ce("triton")),
     ("Liger fused linear CE", "loss", liger),
 ]
 

@@ -26,6 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", type=int, nargs=3, default=[16384, 4096, 151936])
     ap.add_argument("--tma", action="store_true", help="only compare TMA and pointer tile loads")
+    ap.add_argument("--ce", action="store_true", help="only the reduced cross-entropy (6NHV) path")
     args = ap.parse_args()
     n, h, v = args.shape
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -41,6 +42,9 @@ def main() -> None:
 
     if args.tma:
         compare_tma(x, w, coef, label, flop, ceiling)
+        return
+    if args.ce:
+        profile_ce(x, w, label, flop, ceiling)
         return
     print("\nforward stats kernel: BLOCK_N BLOCK_V BLOCK_K warps stages min_splits -> ms, % of ceiling")
     base_fwd, base_splits = dict(tf._FWD), tf._MIN_SPLITS
@@ -164,6 +168,72 @@ def compare_tma(x, w, coef, label, flop, ceiling) -> None:
             except Exception as e:  # noqa: BLE001
                 print(f"  {bn} {bv} {bk} {nw} {ns} {tma}: {type(e).__name__}: {str(e)[:80]}")
     tf._USE_TMA = base[3]
+
+
+def profile_ce(x, w, label, flop, ceiling) -> None:
+    """linear_cross_entropy fwd+bwd per chunk budget, and its parts per chunk (x chunk count)."""
+    from mcore_hooks.kernels import _reduced_chunk_size, linear_cross_entropy
+
+    n, h = x.shape
+    v = w.shape[0]
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+
+    def run():
+        xr.grad = wr.grad = None
+        linear_cross_entropy(xr, wr, label, backend="triton").backward()
+
+    print("\nreduced cross-entropy fwd+bwd (6NHV floor "
+          f"{3 * flop / ceiling / 1e9:.1f} ms): budget -> tokens/chunk, ms, % of ceiling, peak extra MiB")
+    base = tf.TritonFused.ce_chunk_bytes
+    for budget in (1 << 30, 3 << 29, 1 << 31, 5 << 29, 3 << 30):
+        tf.TritonFused.ce_chunk_bytes = budget
+        c = _reduced_chunk_size(tf.TritonFused(), n, v, x.element_size())
+        run()
+        xr.grad = wr.grad = None
+        torch.cuda.synchronize()
+        m0 = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - m0) / 2**20
+        t = bench(run)
+        print(f"  {budget >> 20} MiB -> {c}: {t:.1f} ms, {3 * flop / t / 1e9 / ceiling:.0%}, {peak:.0f} MiB",
+              flush=True)
+    tf.TritonFused.ce_chunk_bytes = base
+    xr.grad = wr.grad = None
+    for c in (1024, 2048, 4096):
+        _ce_parts(x, w, label, c, flop, ceiling)
+        torch.cuda.empty_cache()
+
+
+def _ce_parts(x, w, label, c, flop, ceiling) -> None:
+    """Each pass of one chunk of ``c`` tokens, times the number of chunks."""
+    from mcore_hooks.kernels.matmul import addmm_f32_, mm_f32
+
+    n, h = x.shape
+    v = w.shape[0]
+    k = -(-n // c)
+    z = torch.empty((c, v), dtype=torch.float32, device="cuda")
+    dz = torch.empty((c, v), dtype=x.dtype, device="cuda")
+    coef = torch.ones(c, device="cuda")
+    ll = label[:c]
+    logz = torch.full((c,), 12.0, device="cuda")
+    dx32 = torch.empty((c, h), dtype=torch.float32, device="cuda")
+    dw32 = torch.zeros((v, h), dtype=torch.float32, device="cuda")
+    dwb = torch.zeros((v, h), dtype=x.dtype, device="cuda")
+    mm_f32(x[:c], w.t(), out=z)
+    parts = {
+        "logits mm (fp32 out)": lambda: mm_f32(x[:c], w.t(), out=z),
+        "row stats": lambda: tf.TritonFused.ce_row_stats(z, coef, ll),
+        "row grad": lambda: tf.TritonFused.ce_row_grad(z, coef, ll, logz, coef, dz),
+        "dX mm (fp32 out)": lambda: mm_f32(dz, w, out=dx32),
+        "dW addmm (fp32 acc)": lambda: addmm_f32_(dw32, dz.t(), x[:c]),
+        "dW addmm_ (bf16 acc, rounds per chunk)": lambda: dwb.addmm_(dz.t(), x[:c]),
+    }
+    for name, fn in parts.items():
+        t = bench(fn) * k
+        share = f", {flop / t / 1e9 / ceiling:.0%}" if "mm" in name else ""
+        print(f"  chunk {c} x {k}: {name}: {t:.1f} ms{share}", flush=True)
 
 
 if __name__ == "__main__":

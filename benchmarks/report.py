@@ -7,7 +7,7 @@ import sys
 from typing import Optional
 
 TRITON_LPE = "mcore-hooks triton, logprob+entropy"
-TRITON_CE = "mcore-hooks triton, linear-CE"
+TRITON_CE = "mcore-hooks triton, linear-CE (sum)"
 STOCK_RL = "stock RL: logits -> fp32 log_softmax -> logprob+entropy"
 STOCK_FUSED = "stock loss, cross_entropy_loss_fusion"
 LIGER = "Liger fused linear CE"
