@@ -16,6 +16,18 @@ except ImportError:  # pragma: no cover
     pass
 
 
+# CI replays the same property-test examples every run (a failure there is reproducible, never a
+# new random draw); local runs keep exploring. Reproduce a local failure with --hypothesis-seed.
+try:
+    from hypothesis import settings
+
+    settings.register_profile("ci", derandomize=True, print_blob=True)
+    if os.environ.get("CI"):
+        settings.load_profile("ci")
+except ImportError:  # pragma: no cover
+    pass
+
+
 @pytest.fixture(scope="session")
 def mp1():
     """Megatron's model-parallel state for one rank, in this process (no spawn)."""

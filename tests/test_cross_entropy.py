@@ -76,10 +76,14 @@ def test_matches_float64_values_and_gradients(
     assert dx.dtype == dtype and dw.dtype == dtype
     # Beyond the logit gradient's rounding (in the reference too): the outputs' own rounding.
     grad_tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-    if rdx.norm() > 0:
-        assert rel(dx, rdx) < grad_tol
-        assert rel(dw, rdw) < grad_tol
-    else:
+    # p - 1[label] is formed in fp32 (as stock forms it), so each logit gradient carries an
+    # absolute error of a few fp32 ulps of 1, times its weight and coefficient. Near-certain
+    # predictions make the gradient itself that small: allow that much absolutely.
+    coef = scale / (temp.min().item() if torch.is_tensor(temp) else temp)
+    unit = 1e-6 * abs(grad_out) * coef * (1.0 if tw is None else tw.abs().max().item())
+    assert (dx.double() - rdx).norm() <= grad_tol * rdx.norm() + unit * w.double().norm()
+    assert (dw.double() - rdw).norm() <= grad_tol * rdw.norm() + unit * x.double().norm()
+    if rdx.norm() == 0:  # every position ignored or weighted 0: exactly no gradient
         assert dx.abs().max() == 0 and dw.abs().max() == 0
     # no gradient wanted: the same value from the log-prob pass
     with torch.no_grad():
