@@ -13,6 +13,9 @@ if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = quick ] || [ "$what" 
   timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore -m gpu tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -4 || rc=1
   timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_triton_backend.py 2>&1 | tee "$out/triton_tests.log" | tail -4 || rc=1
 fi
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout 300 python3 -m mcore_hooks verify --device cuda --tp 1 2>&1 | tee "$out/verify_cuda.log" | tail -3 || rc=1
+fi
 if [ "$what" = tma ]; then
   timeout 400 python3 benchmarks/profile_kernels.py --tma 2>&1 | tee "$out/profile_tma.log" || rc=1
 fi
