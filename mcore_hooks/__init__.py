@@ -12,7 +12,7 @@ Public API (everything else is internal):
 * the bundled processors (:mod:`mcore_hooks.processors`): :class:`FusedLogprobProcessor`,
   :class:`EntropyProcessor`, :class:`LogprobEntropyProcessor`, :class:`LinearCEProcessor`;
 * :mod:`mcore_hooks.kernels` — the math on plain tensors: ``linear_logprob_entropy``,
-  ``VocabParallel``.
+  ``linear_cross_entropy``, ``VocabParallel``.
 
 ``mcore_hooks.testing`` holds tiny CPU models and a multi-rank launcher for tests; ``mcore-hooks
 verify`` (or ``python -m mcore_hooks verify``) checks the bundled processors against stock.
