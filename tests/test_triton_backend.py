@@ -8,6 +8,7 @@ covered by the GPU run.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -154,32 +155,53 @@ def test_backend_choice():
     assert _select_backend("torch", x.half()).name == "torch"
 
 
-def _tp_triton(world):
+class _TpCase(NamedTuple):
+    group: object
+    rank: int
+    dev: str
+    g: torch.Generator
+    n: int
+    v_rank: int
+    x: torch.Tensor
+    w: torch.Tensor
+    labels: torch.Tensor
+
+    def shards(self, world: int, sp: bool) -> tuple[slice, slice]:
+        """This rank's token rows (under SP) and vocab rows."""
+        tokens = slice(self.rank * self.n // world, (self.rank + 1) * self.n // world) if sp else slice(None)
+        return tokens, slice(self.rank * self.v_rank, (self.rank + 1) * self.v_rank)
+
+
+def _tp_case(world: int, seed: int) -> _TpCase:
+    """The same full inputs on every rank (each takes its shards), labels at shard edges."""
     import torch.distributed as dist
 
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
     rank = dist.get_rank(group)
-    dev = f"cuda:{rank}" if ON_GPU else "cpu"
     if ON_GPU:
         torch.cuda.set_device(rank)
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(seed)
     n, h, v_rank = 16 * world, 48, 67
     dtype = DTYPES[-1]
     x = torch.randn(n, h, generator=g).to(dtype)
     w = (torch.randn(v_rank * world, h, generator=g) / math.sqrt(h)).to(dtype)
     labels = torch.randint(0, v_rank * world, (n,), generator=g)
     labels[:world] = torch.arange(world) * v_rank + v_rank - 1  # last id of each shard
-    g1, g2 = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    ref = _reference(x, w, labels, 0.9, g1, g2)
+    return _TpCase(group, rank, f"cuda:{rank}" if ON_GPU else "cpu", g, n, v_rank, x, w, labels)
+
+
+def _tp_triton(world):
+    c = _tp_case(world, seed=3)
+    g1, g2 = torch.randn(c.n, generator=c.g), torch.randn(c.n, generator=c.g)
+    ref = _reference(c.x, c.w, c.labels, 0.9, g1, g2)
     out = []
     for sp in (False, True):
-        tokens = slice(rank * n // world, (rank + 1) * n // world) if sp else slice(None)
-        shard = slice(rank * v_rank, (rank + 1) * v_rank)
+        tokens, shard = c.shards(world, sp)
         got = _run(
-            "triton", x[tokens].to(dev), w[shard].to(dev), labels.to(dev), 0.9, g1.to(dev), g2.to(dev),
-            parallel=VocabParallel(group, rank * v_rank, sp),
+            "triton", c.x[tokens].to(c.dev), c.w[shard].to(c.dev), c.labels.to(c.dev), 0.9,
+            g1.to(c.dev), g2.to(c.dev), parallel=VocabParallel(c.group, c.rank * c.v_rank, sp),
         )
         out.append((rel(got[0].cpu(), ref[0]), rel(got[1].cpu(), ref[1]),
                     rel(got[2].cpu(), ref[2][tokens]), rel(got[3].cpu(), ref[3][shard])))
@@ -187,31 +209,15 @@ def _tp_triton(world):
 
 
 def _tp_triton_ce(world):
-    import torch.distributed as dist
-
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_tensor_model_parallel_group()
-    rank = dist.get_rank(group)
-    dev = f"cuda:{rank}" if ON_GPU else "cpu"
-    if ON_GPU:
-        torch.cuda.set_device(rank)
-    g = torch.Generator().manual_seed(4)
-    n, h, v_rank = 16 * world, 48, 67
-    dtype = DTYPES[-1]
-    x = torch.randn(n, h, generator=g).to(dtype)
-    w = (torch.randn(v_rank * world, h, generator=g) / math.sqrt(h)).to(dtype)
-    labels = torch.randint(0, v_rank * world, (n,), generator=g)
-    labels[:world] = torch.arange(world) * v_rank + v_rank - 1  # last id of each shard
-    tw = torch.rand(n, generator=g)
-    full = _run_ce("torch", x, w, labels, tw, 0.9, 1.3, chunk_size=7)  # one rank, whole vocab
+    c = _tp_case(world, seed=4)
+    tw = torch.rand(c.n, generator=c.g)
+    full = _run_ce("torch", c.x, c.w, c.labels, tw, 0.9, 1.3, chunk_size=7)  # one rank, whole vocab
     out = []
     for sp in (False, True):
-        tokens = slice(rank * n // world, (rank + 1) * n // world) if sp else slice(None)
-        shard = slice(rank * v_rank, (rank + 1) * v_rank)
+        tokens, shard = c.shards(world, sp)
         got = _run_ce(
-            "triton", x[tokens].to(dev), w[shard].to(dev), labels.to(dev), tw.to(dev), 0.9, 1.3,
-            chunk_size=7, parallel=VocabParallel(group, rank * v_rank, sp),
+            "triton", c.x[tokens].to(c.dev), c.w[shard].to(c.dev), c.labels.to(c.dev), tw.to(c.dev),
+            0.9, 1.3, chunk_size=7, parallel=VocabParallel(c.group, c.rank * c.v_rank, sp),
         )
         out.append((abs(float(got[0]) / float(full[0]) - 1), rel(got[1].cpu(), full[1][tokens]),
                     rel(got[2].cpu(), full[2][shard])))
