@@ -263,7 +263,7 @@ class TritonFused:
     # Reduced cross-entropy: bytes of one token chunk's logit gradient plus half a chunk of fp32
     # logits. Larger chunks mean fewer passes of cuBLAS over the fp32 dW accumulator (V x H x 8
     # bytes each): at 16384 x 4096 x 151936 on an H200, dW runs at 91% of the matmul ceiling with
-    # 4096-token chunks, 83% with 2048 (benchmarks/profile_h200_ce.log).
+    # 4096-token chunks, 85% with 2048 (benchmarks/profile_h200_ce.log).
     ce_chunk_bytes = 5 << 29
 
     @staticmethod
