@@ -81,10 +81,7 @@ def linear_logprob_entropy(
     """
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
                  chunk_size, backend)
-    logprob, entropy, logz = LinearLogSoftmaxStats.apply(
-        hidden, weight, p.labels, p.coef, p.valid, int(parallel.vocab_start), p.group, p.sp,
-        p.chunk_size, p.backend,
-    )
+    logprob, entropy, logz = _log_softmax_stats(hidden, weight, p, parallel)
     return LogprobEntropy(logprob if labels is not None else None, entropy, logz)
 
 
@@ -107,9 +104,10 @@ def linear_cross_entropy(
     ``token_weight`` is a float ``[N]`` (default: ones, the sum; pass ``mask / mask.sum()`` for a
     mean). When a gradient is needed the logit gradients are formed in the forward, one token
     chunk at a time (``chunk_size`` tokens; their logit gradient and half a chunk of fp32 logits
-    take about 2.5 GiB by default with the Triton backend, 256 MiB with torch), so the forward does 3 matmuls and the backward only scales the result: the
-    forward holds float32 dX ``[N, H]`` and dW ``[V_local, H]`` until the backward (each is
-    rounded to the input dtype once). Without a gradient it is the log-prob pass, reduced.
+    take about 2.5 GiB by default with the Triton backend, 256 MiB with torch), so the forward
+    does 3 matmuls and the backward only scales the result: the forward holds float32 dX
+    ``[N, H]`` and dW ``[V_local, H]`` until the backward (each is rounded to the input dtype
+    once). Without a gradient it is the log-prob pass, reduced.
     """
     if labels is None:
         raise ValueError("labels: linear_cross_entropy needs labels")
@@ -128,14 +126,19 @@ def linear_cross_entropy(
     need_x = hidden.requires_grad and torch.is_grad_enabled()
     need_w = weight.requires_grad and torch.is_grad_enabled()
     if not (need_x or need_w):
-        logprob, _, _ = LinearLogSoftmaxStats.apply(
-            hidden, weight, p.labels, p.coef, p.valid, int(parallel.vocab_start), p.group, p.sp,
-            p.chunk_size, p.backend,
-        )
+        logprob, _, _ = _log_softmax_stats(hidden, weight, p, parallel)
         return -(logprob * tw).sum()
     return LinearCrossEntropy.apply(
         hidden, weight, p.labels, p.coef, tw, p.valid, int(parallel.vocab_start), p.group, p.sp,
         p.chunk_size, p.backend, need_x, need_w,
+    )
+
+
+def _log_softmax_stats(hidden, weight, p: "_Prepared", parallel: VocabParallel):
+    """(log-prob, entropy, logZ) per token: the 2NHV pass, logits recomputed in the backward."""
+    return LinearLogSoftmaxStats.apply(
+        hidden, weight, p.labels, p.coef, p.valid, int(parallel.vocab_start), p.group, p.sp,
+        p.chunk_size, p.backend,
     )
 
 
