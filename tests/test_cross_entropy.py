@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -11,7 +9,7 @@ from hypothesis import strategies as st
 
 from mcore_hooks.kernels import VocabParallel, linear_cross_entropy
 from mcore_hooks.testing import run_on_ranks
-from test_kernels import LargestTensor, reference, rel
+from test_kernels import LargestTensor, problems, reference, rel
 
 
 def _ours(x, w, labels, grad_out, **kw):
@@ -41,27 +39,14 @@ def _ref(x, w, labels, grad_out, token_weight=None, temperature=1.0, scale=1.0):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    n=st.integers(1, 48),
-    vocab=st.sampled_from([1, 2, 7, 97, 257, 1015, 1187, 1299, 1940]),
-    hidden=st.sampled_from([1, 8, 24]),
-    chunk=st.integers(1, 64),
-    temperature=st.one_of(st.floats(0.05, 5.0), st.just("per-token")),
-    ignore_density=st.floats(0.0, 1.0),
+    pb=problems(),
     weights=st.sampled_from(["none", "mask", "mean", "random"]),
-    scale=st.sampled_from([1.0, 0.25, 3.0]),
     grad_out=st.sampled_from([1.0, -0.37, 8.0]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-    seed=st.integers(0, 2**16),
 )
-def test_matches_float64_values_and_gradients(
-    n, vocab, hidden, chunk, temperature, ignore_density, weights, scale, grad_out, dtype, seed
-):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, hidden, generator=g).to(dtype)
-    w = (torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden)).to(dtype)
-    labels = torch.randint(0, vocab, (n,), generator=g)
-    labels[torch.rand(n, generator=g) < ignore_density] = -100
-    temp = torch.rand(n, generator=g) + 0.2 if temperature == "per-token" else temperature
+def test_matches_float64_values_and_gradients(pb, weights, grad_out):
+    x, w, labels, temp, scale, dtype, n, g = (
+        pb.x, pb.w, pb.labels, pb.temperature, pb.scale, pb.dtype, len(pb.labels), pb.gen
+    )
     tw = {
         "none": None,
         "mask": (torch.rand(n, generator=g) < 0.7).float(),
@@ -69,7 +54,7 @@ def test_matches_float64_values_and_gradients(
         "random": torch.rand(n, generator=g),
     }[weights]
     kw = dict(token_weight=tw, temperature=temp, logit_scale=scale)
-    loss, dx, dw = _ours(x, w, labels, grad_out, chunk_size=chunk, **kw)
+    loss, dx, dw = _ours(x, w, labels, grad_out, chunk_size=pb.chunk, **kw)
     ref, rdx, rdw = _ref(x, w, labels, grad_out, tw, temp, scale)
     assert loss.dtype == torch.float32 and loss.shape == ()
     assert abs(float(loss) - float(ref)) <= 1e-5 * (1 + abs(float(ref)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Union
 
 import pytest
 import torch
@@ -48,30 +49,47 @@ def _ref_grads(x, w, labels, g_lp, g_ent, temperature=1.0, scale=1.0):
     return lp, ent, x.grad, w.grad
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    n=st.integers(1, 48),
-    # primes, and 129920 / 151936 / 248320 scaled down by 128 (divisible by nothing useful)
-    vocab=st.sampled_from([1, 2, 7, 97, 257, 1015, 1187, 1299, 1940]),
-    hidden=st.sampled_from([1, 8, 24]),
-    chunk=st.integers(1, 64),
-    temperature=st.one_of(st.floats(0.05, 5.0), st.just("per-token")),
-    ignore_density=st.floats(0.0, 1.0),
-    scale=st.sampled_from([1.0, 0.25, 3.0]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-    seed=st.integers(0, 2**16),
-)
-def test_matches_float64_values_and_gradients(
-    n, vocab, hidden, chunk, temperature, ignore_density, scale, dtype, seed
-):
-    g = torch.Generator().manual_seed(seed)
+class Problem(NamedTuple):
+    x: torch.Tensor
+    w: torch.Tensor
+    labels: torch.Tensor  # -100 where ignored
+    temperature: Union[float, torch.Tensor]  # a float or a per-token [N] tensor
+    scale: float
+    chunk: int
+    dtype: torch.dtype
+    gen: torch.Generator  # seeded: draw any further tensors from it
+
+
+@st.composite
+def problems(draw) -> Problem:
+    """The kernels' property ranges: token counts, vocab sizes (primes, and 129920 / 151936 /
+    248320 scaled down by 128: divisible by nothing useful), hidden sizes, chunks, temperatures
+    (float or per token), ignored positions, logit scales and dtypes."""
+    n = draw(st.integers(1, 48))
+    vocab = draw(st.sampled_from([1, 2, 7, 97, 257, 1015, 1187, 1299, 1940]))
+    hidden = draw(st.sampled_from([1, 8, 24]))
+    chunk = draw(st.integers(1, 64))
+    temperature = draw(st.one_of(st.floats(0.05, 5.0), st.just("per-token")))
+    ignore_density = draw(st.floats(0.0, 1.0))
+    scale = draw(st.sampled_from([1.0, 0.25, 3.0]))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     x = torch.randn(n, hidden, generator=g).to(dtype)
     w = (torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden)).to(dtype)
     labels = torch.randint(0, vocab, (n,), generator=g)
     labels[torch.rand(n, generator=g) < ignore_density] = -100
     temp = torch.rand(n, generator=g) + 0.2 if temperature == "per-token" else temperature
-    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    r, dx, dw = _grads(x, w, labels, g_lp, g_ent, temperature=temp, logit_scale=scale, chunk_size=chunk)
+    return Problem(x, w, labels, temp, scale, chunk, dtype, g)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pb=problems())
+def test_matches_float64_values_and_gradients(pb):
+    x, w, labels, temp, scale, dtype, n = (
+        pb.x, pb.w, pb.labels, pb.temperature, pb.scale, pb.dtype, len(pb.labels)
+    )
+    g_lp, g_ent = torch.randn(n, generator=pb.gen), torch.randn(n, generator=pb.gen)
+    r, dx, dw = _grads(x, w, labels, g_lp, g_ent, temperature=temp, logit_scale=scale, chunk_size=pb.chunk)
     assert r.logprob.dtype == torch.float32 and r.entropy.dtype == torch.float32
     lp, ent, rdx, rdw = _ref_grads(x, w, labels, g_lp, g_ent, temp, scale)
     assert r.logprob.dtype == torch.float32 and r.logprob.shape == (n,)
