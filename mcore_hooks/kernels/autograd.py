@@ -10,7 +10,8 @@ the whole batch), gathers sequence-parallel hidden states once, and reduces thei
 Per token, with ``l = coef * (x @ W.T)`` (``coef = logit_scale / temperature``) over the full
 vocabulary, ``m = max l``, ``s = sum exp(l - m)``, ``logZ = m + log s``, ``p = exp(l - logZ)``:
 
-* ``logprob = l[y] - logZ``
+* ``logprob = (l[y] - m) - log s``: ``m`` and ``log s`` stay apart, as in ``log_softmax``, because
+  ``logZ`` rounded to float32 is off by half an ulp of the largest logit, which ``p`` would inherit;
 * ``entropy = log s - sum(exp(l - m) * (l - m)) / s`` — each term is taken relative to the max,
   so it stays exact when all logits are hugely negative or hugely positive;
 * ``d logprob / d l_j = 1[j = y] - p_j``; ``d entropy / d l_j = -p_j (log p_j + entropy)``.
@@ -50,8 +51,8 @@ class Backend(Protocol):
 
     def grads(
         self, x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor,
-        logz: torch.Tensor, entropy: torch.Tensor, g_logprob: torch.Tensor, g_entropy: torch.Tensor,
-        chunk_size: int, need_x: bool, need_w: bool,
+        m: torch.Tensor, log_s: torch.Tensor, entropy: torch.Tensor, g_logprob: torch.Tensor,
+        g_entropy: torch.Tensor, chunk_size: int, need_x: bool, need_w: bool,
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]: ...
 
     def ce_row_stats(
@@ -59,8 +60,8 @@ class Backend(Protocol):
     ) -> LocalStats: ...
 
     def ce_row_grad(
-        self, z: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor, logz: torch.Tensor,
-        scale: torch.Tensor, out: torch.Tensor,
+        self, z: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor, m: torch.Tensor,
+        log_s: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
     ) -> torch.Tensor: ...
 
 
@@ -104,14 +105,27 @@ def merge_partials(parts: LocalStats) -> LocalStats:
     return LocalStats(m, s.sum(dim=0), a.sum(dim=0), parts.target.sum(dim=0))
 
 
-def combine(stats: LocalStats, group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Shard statistics -> global ``(logZ, entropy, target logit)``: one MAX, one SUM all-reduce."""
+class GlobalStats(NamedTuple):
+    """Float32 ``[N]`` statistics of the full vocabulary: ``logZ = max + log_s``, kept in two
+    parts (see the module docstring), the entropy, and the label's logit."""
+
+    max: torch.Tensor
+    log_s: torch.Tensor
+    entropy: torch.Tensor
+    target: torch.Tensor
+
+    def logprob(self) -> torch.Tensor:
+        return (self.target - self.max) - self.log_s
+
+
+def combine(stats: LocalStats, group) -> GlobalStats:
+    """Shard statistics -> global statistics: one MAX, one SUM all-reduce."""
     gmax = all_reduce(stats.max.clone(), dist.ReduceOp.MAX, group)
     summed = torch.stack([*rescaled(stats, gmax), stats.target])
     all_reduce(summed, dist.ReduceOp.SUM, group)
     s, a, target = summed[0], summed[1], summed[2]
     log_s = torch.log(s)
-    return gmax + log_s, log_s - a / s, target
+    return GlobalStats(gmax, log_s, log_s - a / s, target)
 
 
 def local_labels(labels, valid, vocab_start: int, v_local: int) -> torch.Tensor:
@@ -135,13 +149,11 @@ class LinearLogSoftmaxStats(torch.autograd.Function):
                 chunk_size, backend):
         x = gather_tokens(hidden, group) if sequence_parallel else hidden
         local_label = local_labels(labels, valid, vocab_start, weight.shape[0])
-        logz, entropy, target = combine(
-            backend.local_stats(x, weight, coef, local_label, chunk_size), group
-        )
-        zero = torch.zeros_like(target)
-        logprob = torch.where(valid, target - logz, zero)
-        entropy = torch.where(valid, entropy, zero)
-        ctx.save_for_backward(x, weight, local_label, coef, valid, logz, entropy)
+        st = combine(backend.local_stats(x, weight, coef, local_label, chunk_size), group)
+        logprob = torch.where(valid, st.logprob(), 0.0)
+        entropy = torch.where(valid, st.entropy, 0.0)
+        logz = st.max + st.log_s
+        ctx.save_for_backward(x, weight, local_label, coef, valid, st.max, st.log_s, entropy)
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
         ctx.chunk_size, ctx.backend, ctx.hidden_shape = chunk_size, backend, hidden.shape
         ctx.mark_non_differentiable(logz)
@@ -149,13 +161,13 @@ class LinearLogSoftmaxStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_logprob, d_entropy, _d_logz):
-        x, weight, local_label, coef, valid, logz, entropy = ctx.saved_tensors
-        zero = torch.zeros_like(logz)
+        x, weight, local_label, coef, valid, m, log_s, entropy = ctx.saved_tensors
+        zero = torch.zeros_like(m)
         g1 = torch.where(valid, d_logprob.float(), zero) if d_logprob is not None else zero
         g2 = torch.where(valid, d_entropy.float(), zero) if d_entropy is not None else zero
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx, dw = ctx.backend.grads(
-            x, weight, coef, local_label, logz, entropy, g1, g2, ctx.chunk_size, need_x, need_w
+            x, weight, coef, local_label, m, log_s, entropy, g1, g2, ctx.chunk_size, need_x, need_w
         )
         if dx is not None:
             dx = reduce_hidden_grad(dx, ctx.group, ctx.sequence_parallel).view(ctx.hidden_shape)
@@ -191,11 +203,10 @@ class LinearCrossEntropy(torch.autograd.Function):
                 s1 = min(s0 + cz, end)
                 rows, zc = slice(s0, s1), z[: s1 - s0]
                 mm_f32(x[rows], weight.t(), out=zc)
-                stats = backend.ce_row_stats(zc, coef[rows], local_label[rows])
-                logz, _, target = combine(stats, group)
-                loss[rows] = tw[rows] * (logz - target)
-                backend.ce_row_grad(zc, coef[rows], local_label[rows], logz, scale[rows],
-                                    dz[s0 - start : s1 - start])
+                st = combine(backend.ce_row_stats(zc, coef[rows], local_label[rows]), group)
+                loss[rows] = tw[rows] * -st.logprob()
+                backend.ce_row_grad(zc, coef[rows], local_label[rows], st.max, st.log_s,
+                                    scale[rows], dz[s0 - start : s1 - start])
             xc, dzc = x[start:end], dz[: end - start]
             if need_x:
                 mm_f32(dzc, weight, out=dx[start:end])

@@ -42,7 +42,7 @@ class TorchChunked:
         return LocalStats(m, s, a, t)
 
     @staticmethod
-    def grads(x, weight, coef, local_label, logz, entropy, g1, g2, chunk_size, need_x, need_w):
+    def grads(x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w):
         n = x.shape[0]
         dx = torch.empty_like(x) if need_x else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
@@ -53,7 +53,7 @@ class TorchChunked:
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             z = _chunk_logits(x, weight, coef, start, end)
-            z.sub_(logz[start:end].unsqueeze(1))  # log p
+            z.sub_(m[start:end].unsqueeze(1)).sub_(log_s[start:end].unsqueeze(1))  # log p
             p = torch.exp(z)
             z.add_(entropy[start:end].unsqueeze(1)).mul_(g2[start:end].unsqueeze(1))
             z.add_(g1[start:end].unsqueeze(1)).mul_(p).neg_()
@@ -77,8 +77,8 @@ class TorchChunked:
         return LocalStats(m, s, torch.zeros_like(m), torch.where(local_label >= 0, t, 0.0))
 
     @staticmethod
-    def ce_row_grad(z, coef, local_label, logz, scale, out):
-        g = torch.exp(z * coef.unsqueeze(1) - logz.unsqueeze(1))  # p
+    def ce_row_grad(z, coef, local_label, m, log_s, scale, out):
+        g = torch.exp((z * coef.unsqueeze(1) - m.unsqueeze(1)).sub_(log_s.unsqueeze(1)))  # p
         owned = (local_label >= 0).to(g.dtype).unsqueeze(1)
         g.scatter_add_(1, local_label.clamp(min=0).unsqueeze(1), -owned)  # p - onehot
         return out.copy_(g.mul_(scale.unsqueeze(1)))

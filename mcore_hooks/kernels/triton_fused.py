@@ -161,7 +161,7 @@ if triton is not None:
 
     @triton.jit
     def _dlogits_kernel(
-        X, W, COEF, LABEL, LOGZ, ENT, G1, G2, DZ,
+        X, W, COEF, LABEL, M, LOGS, ENT, G1, G2, DZ,
         N, V, H, v0, Vc, stride_x, stride_w, stride_dz,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         USE_TMA: tl.constexpr,
@@ -174,16 +174,18 @@ if triton is not None:
         cols = v0 + cols_local
         cmask = (cols_local < Vc) & (cols < V)
         coef = tl.load(COEF + rows, mask=rmask, other=1.0)
-        logz = tl.load(LOGZ + rows, mask=rmask, other=0.0)
+        m = tl.load(M + rows, mask=rmask, other=0.0)
+        log_s = tl.load(LOGS + rows, mask=rmask, other=0.0)
         ent = tl.load(ENT + rows, mask=rmask, other=0.0)
         g1 = tl.load(G1 + rows, mask=rmask, other=0.0)
         g2 = tl.load(G2 + rows, mask=rmask, other=0.0)
         label = tl.load(LABEL + rows, mask=rmask, other=-1)
         # Under TMA a tile may run past the chunk into the next one's rows; those columns are
         # computed and then masked (cmask), never stored.
-        logp = _logits_tile(X, W, rows, cols, rmask, cmask, pid_n * BLOCK_N, v0 + pid_v * BLOCK_V,
-                            H, stride_x, stride_w, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K,
-                            USE_TMA) * coef[:, None] - logz[:, None]
+        l = _logits_tile(X, W, rows, cols, rmask, cmask, pid_n * BLOCK_N, v0 + pid_v * BLOCK_V,
+                         H, stride_x, stride_w, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K,
+                         USE_TMA) * coef[:, None]
+        logp = (l - m[:, None]) - log_s[:, None]  # not l - logZ: see autograd's docstring
         p = tl.exp(logp)
         # d/dl_j of g1*logprob + g2*entropy; then through l = coef * z
         dl = -p * (g1[:, None] + g2[:, None] * (logp + ent[:, None]))
@@ -215,19 +217,20 @@ if triton is not None:
         tl.store(T + row, tl.where(label >= 0, t, 0.0))
 
     @triton.jit
-    def _ce_row_grad_kernel(Z, DZ, COEF, LABEL, LOGZ, SCALE, V, stride_z, stride_dz,
+    def _ce_row_grad_kernel(Z, DZ, COEF, LABEL, M, LOGS, SCALE, V, stride_z, stride_dz,
                             BLOCK: tl.constexpr):
         row = tl.program_id(0)
         base = Z + row.to(tl.int64) * stride_z
         out = DZ + row.to(tl.int64) * stride_dz
         coef = tl.load(COEF + row)
         label = tl.load(LABEL + row)
-        logz = tl.load(LOGZ + row)
+        m = tl.load(M + row)
+        log_s = tl.load(LOGS + row)
         scale = tl.load(SCALE + row)
         for j in range(0, V, BLOCK):
             cols = j + tl.arange(0, BLOCK)
             mask = cols < V
-            p = tl.exp(tl.load(base + cols, mask=mask, other=0.0) * coef - logz)
+            p = tl.exp((tl.load(base + cols, mask=mask, other=0.0) * coef - m) - log_s)
             g = (p - tl.where(cols == label, 1.0, 0.0)) * scale
             tl.store(out + cols, g.to(DZ.dtype.element_ty), mask=mask)
 
@@ -293,7 +296,7 @@ class TritonFused:
         return merge_partials(LocalStats(parts[0], parts[1], parts[2], target))
 
     @staticmethod
-    def grads(x, weight, coef, local_label, logz, entropy, g1, g2, chunk_size, need_x, need_w):
+    def grads(x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w):
         n, h = x.shape
         v = weight.shape[0]
         cfg = _BWD
@@ -315,7 +318,7 @@ class TritonFused:
         for v0 in range(0, v, vc):
             width = min(vc, v - v0)
             _dlogits_kernel[(triton.cdiv(width, cfg["BLOCK_V"]), row_blocks)](
-                xa, wa, coef, local_label, logz, entropy, g1, g2, dz,
+                xa, wa, coef, local_label, m, log_s, entropy, g1, g2, dz,
                 n, v, h, v0, width, x.stride(0), weight.stride(0), dz.stride(0),
                 EVEN_K=h % cfg["BLOCK_K"] == 0, USE_TMA=tma, **cfg,
             )
@@ -335,8 +338,8 @@ class TritonFused:
         return LocalStats(m, s, torch.zeros_like(m), t)
 
     @staticmethod
-    def ce_row_grad(z, coef, local_label, logz, scale, out):
+    def ce_row_grad(z, coef, local_label, m, log_s, scale, out):
         c, v = z.shape
-        _ce_row_grad_kernel[(c,)](z, out, coef, local_label, logz, scale, v, z.stride(0),
+        _ce_row_grad_kernel[(c,)](z, out, coef, local_label, m, log_s, scale, v, z.stride(0),
                                   out.stride(0), BLOCK=_ROW_BLOCK, num_warps=8)
         return out
