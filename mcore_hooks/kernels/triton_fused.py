@@ -182,13 +182,16 @@ if triton is not None:
         label = tl.load(LABEL + rows, mask=rmask, other=-1)
         # Under TMA a tile may run past the chunk into the next one's rows; those columns are
         # computed and then masked (cmask), never stored.
-        l = _logits_tile(X, W, rows, cols, rmask, cmask, pid_n * BLOCK_N, v0 + pid_v * BLOCK_V,
+        # u = l - max. log p = u - log s, never l - logZ (see autograd's docstring); exp as
+        # tl.exp computes it (ex2 of a log2e-scaled argument), with that scaling and the log s
+        # shift in one fma, so the tile costs no more than with a single logZ.
+        u = _logits_tile(X, W, rows, cols, rmask, cmask, pid_n * BLOCK_N, v0 + pid_v * BLOCK_V,
                          H, stride_x, stride_w, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K,
-                         USE_TMA) * coef[:, None]
-        logp = (l - m[:, None]) - log_s[:, None]  # not l - logZ: see autograd's docstring
-        p = tl.exp(logp)
-        # d/dl_j of g1*logprob + g2*entropy; then through l = coef * z
-        dl = -p * (g1[:, None] + g2[:, None] * (logp + ent[:, None]))
+                         USE_TMA) * coef[:, None] - m[:, None]
+        p = tl.exp2(u * 1.4426950408889634 - (log_s * 1.4426950408889634)[:, None])
+        # d/dl_j of g1*logprob + g2*entropy (log p + entropy = u + (entropy - log s)); then
+        # through l = coef * z
+        dl = -p * (g1[:, None] + g2[:, None] * (u + (ent - log_s)[:, None]))
         dl += tl.where(cols[None, :] == label[:, None], g1[:, None], 0.0)
         dz = dl * coef[:, None]
         ptr = DZ + rows[:, None].to(tl.int64) * stride_dz + cols_local[None, :]
