@@ -28,6 +28,7 @@ from .testing import (
     TinyModelConfig,
     available_model_classes,
     build_tiny_model,
+    cpu_shims,
     stock_model_class,
     tiny_batch,
 )
@@ -167,7 +168,16 @@ def run_checks(
     device: str = "cpu",
     model_classes: Optional[Sequence[str]] = None,
 ) -> list[CheckResult]:
-    """Run every check for every class and layout on this rank (model parallel already set up)."""
+    """Run every check for every class and layout on this rank (model parallel already set up).
+
+    The tiny CPU models run inside a :func:`~mcore_hooks.testing.cpu_shims` scope: on return
+    Megatron Core is exactly as it was found.
+    """
+    with cpu_shims():
+        return _run_checks(checks, device, model_classes)
+
+
+def _run_checks(checks, device, model_classes) -> list[CheckResult]:
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()

@@ -22,8 +22,10 @@ try:
     from hypothesis import settings
 
     settings.register_profile("ci", derandomize=True, print_blob=True)
-    if os.environ.get("CI"):
-        settings.load_profile("ci")
+    # Local runs draw new examples; a failure prints the blob that replays it
+    # (@reproduce_failure), whatever the example database holds.
+    settings.register_profile("local", print_blob=True)
+    settings.load_profile("ci" if os.environ.get("CI") else "local")
 except ImportError:  # pragma: no cover
     pass
 

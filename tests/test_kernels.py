@@ -99,9 +99,15 @@ def test_matches_float64_values_and_gradients(pb):
     # Values keep fp32 logits whatever the input dtype; gradients go through matmuls in the
     # input dtype (as stock's do), so they carry its rounding.
     grad_tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
-    if rdx.norm() > 0:
-        assert rel(dx, rdx) < grad_tol
-        assert rel(dw, rdw) < grad_tol
+    # Each logit gradient, g1 (1[j = y] - p_j) - g2 p_j (log p_j + H), is formed in fp32 (as stock
+    # autograd forms it) from p_j rounded to fp32: at a near-certain prediction 1 - p_y is a few
+    # ulps of 1, so the gradient carries an absolute error of a few fp32 ulps of 1 times
+    # |g1| + |g2| and the logit coefficient, which no relative bound covers when the true
+    # gradient is that small itself. Allow 4 such ulps absolutely (8000 random draws needed 0.22).
+    coef = scale / (temp if torch.is_tensor(temp) else torch.full((n,), temp))
+    unit = 4 * 2.0**-23 * (coef * (g_lp.abs() + g_ent.abs()) * (labels != -100)).max().item()
+    assert (dx.double() - rdx).norm() <= grad_tol * rdx.norm() + unit * w.double().norm()
+    assert (dw.double() - rdw).norm() <= grad_tol * rdw.norm() + unit * x.double().norm()
     ignored = labels == -100
     assert torch.all(r.logprob[ignored] == 0) and torch.all(r.entropy[ignored] == 0)
     assert torch.all(dx[ignored] == 0)

@@ -4,17 +4,16 @@ For tests only. It builds *stock* ``GPTModel`` / ``HybridModel`` / ``MambaModel`
 subclasses with the same constructor) small enough for CPU, with batches for them, and runs code
 under tensor parallelism on CPU with gloo. The CUDA-only pieces of Megatron Core are replaced by
 the test-only stand-ins of :mod:`mcore_hooks.testing.cpu_shims`, which production code never
-imports; they are installed by :func:`install_cpu_shims` (called by the builders), never at import
-time.
+imports; they live only inside a :func:`cpu_shims` scope (entered by the builders and by
+``mcore_hooks.verify``), which puts back every patched attribute on exit, never at import time.
 """
 
 from .cpu_shims import (
     CpuCoreAttention,
     CpuNorm,
     CpuRNGStatesTracker,
+    cpu_shims,
     cpu_shims_installed,
-    install_cpu_shims,
-    uninstall_cpu_shims,
 )
 from .distributed import DEFAULT_SEED, model_parallel, run_on_ranks
 from .models import (
@@ -35,13 +34,12 @@ __all__ = [
     "TinyModelConfig",
     "available_model_classes",
     "build_tiny_model",
+    "cpu_shims",
     "cpu_shims_installed",
-    "install_cpu_shims",
     "model_parallel",
     "packed_sequence_slices",
     "run_on_ranks",
     "stock_model_class",
     "supports_packed_sequences",
     "tiny_batch",
-    "uninstall_cpu_shims",
 ]

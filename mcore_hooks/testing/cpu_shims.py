@@ -15,13 +15,15 @@ What stands in for what (each class/function below says why in its docstring):
   their final norm (applied only while a test builder constructs such a model).
 - :class:`CpuRNGStatesTracker` -> ``CudaRNGStatesTracker`` (its ``fork()``/``add()`` read and
   write the CUDA generator state, which fails without a GPU).
-- the ``torch`` proxy installed by :func:`install_cpu_shims` -> the ``torch.cuda.current_device()``
+- the ``torch`` proxy :func:`cpu_shims` puts in a few Megatron modules -> the ``torch.cuda.current_device()``
   calls with which Megatron's tensor-parallel mappings, linear layers and global memory buffer
   allocate their communication buffers (only those Megatron modules see the proxy; everything
   else, including production code under test, still sees the real ``torch.cuda``).
 
-Nothing is patched at import time. :func:`install_cpu_shims` (idempotent) applies the process-wide
-patches and :func:`uninstall_cpu_shims` reverts them.
+Nothing is patched at import time, and nothing outlives a :func:`cpu_shims` scope: it applies the
+patches on entry and puts every patched attribute back on exit. The test builders
+(:func:`~mcore_hooks.testing.model_parallel`, :func:`~mcore_hooks.testing.build_tiny_model`) and
+``mcore_hooks.verify`` work inside such a scope.
 """
 
 from __future__ import annotations
@@ -39,8 +41,7 @@ __all__ = [
     "CpuCoreAttention",
     "CpuNorm",
     "CpuRNGStatesTracker",
-    "install_cpu_shims",
-    "uninstall_cpu_shims",
+    "cpu_shims",
     "cpu_shims_installed",
     "te_norm_replaced",
 ]
@@ -282,7 +283,7 @@ def te_norm_replaced(*module_names: str) -> Iterator[None]:
 def _cuda_tracker_base() -> type:
     from megatron.core.tensor_parallel import random as mcore_random
 
-    # The original class even after install_cpu_shims rebinds the module attribute.
+    # The original class even inside a cpu_shims() scope, which rebinds the module attribute.
     return _ORIGINAL.get("CudaRNGStatesTracker", mcore_random.CudaRNGStatesTracker)
 
 
@@ -368,29 +369,42 @@ _DEVICE_REDIRECTED_MODULES = (
     "megatron.core.utils",
 )
 
-_INSTALLED = False
+_DEPTH = 0  # nesting depth of cpu_shims() scopes in this process
 
 
 def cpu_shims_installed() -> bool:
-    """Whether :func:`install_cpu_shims` is in effect."""
-    return _INSTALLED
+    """Whether this process is inside a :func:`cpu_shims` scope."""
+    return _DEPTH > 0
 
 
-def install_cpu_shims() -> None:
-    """Apply the process-wide CPU shims (idempotent, never done at import time).
+@contextlib.contextmanager
+def cpu_shims() -> Iterator[None]:
+    """Within the block, Megatron Core's CUDA-only pieces have their CPU stand-ins.
 
-    - rebinds ``torch`` in the Megatron modules listed in ``_DEVICE_REDIRECTED_MODULES`` to a
-      proxy whose ``cuda.current_device()`` is the CPU (stands in for the CUDA allocation device);
-    - makes Megatron's RNG tracker a :class:`CpuRNGStatesTracker` (stands in for
-      ``CudaRNGStatesTracker``): rebinds the class name ``initialize_rng_tracker`` instantiates and
-      replaces an already created stock tracker, so ``model_parallel_cuda_manual_seed`` works.
+    - ``torch`` in the Megatron modules listed in ``_DEVICE_REDIRECTED_MODULES`` is a proxy whose
+      ``cuda.current_device()`` is the CPU (stands in for the CUDA allocation device);
+    - Megatron's RNG tracker is a :class:`CpuRNGStatesTracker` (stands in for
+      ``CudaRNGStatesTracker``): the class name ``initialize_rng_tracker`` instantiates is rebound
+      and an already created stock tracker is set aside for an empty CPU one, which
+      ``model_parallel_cuda_manual_seed`` (or the test builders) seed.
 
-    The attention/norm stand-ins are not patches: builders put them into layer specs.
-    :func:`uninstall_cpu_shims` reverts everything.
+    Re-entrant: nested scopes share the outermost one's patches. On leaving the outermost scope
+    every patched attribute is the original object again (the stock tracker too, with its
+    states). The attention/norm stand-ins are not patches: builders put them into layer specs.
     """
-    global _INSTALLED
-    if _INSTALLED:
-        return
+    global _DEPTH
+    if _DEPTH == 0:
+        _install()
+    _DEPTH += 1
+    try:
+        yield
+    finally:
+        _DEPTH -= 1
+        if _DEPTH == 0:
+            _uninstall()
+
+
+def _install() -> None:
     from megatron.core.tensor_parallel import random as mcore_random
 
     proxy = _TorchWithCpuDevice()
@@ -399,7 +413,6 @@ def install_cpu_shims() -> None:
         if getattr(module, "torch", None) is torch:
             _ORIGINAL[f"torch@{name}"] = module.torch
             module.torch = proxy
-
     _ORIGINAL["CudaRNGStatesTracker"] = mcore_random.CudaRNGStatesTracker
     _ORIGINAL["tracker"] = (
         mcore_random._CUDA_RNG_STATE_TRACKER,
@@ -408,18 +421,13 @@ def install_cpu_shims() -> None:
     mcore_random.CudaRNGStatesTracker = CpuRNGStatesTracker
     tracker = mcore_random._CUDA_RNG_STATE_TRACKER
     if tracker is not None and not isinstance(tracker, CpuRNGStatesTracker):
-        # A stock tracker already exists (its states, if any, are CUDA states): replace it by an
-        # empty CPU one; model_parallel_cuda_manual_seed (called by the testing helpers) seeds it.
+        # A stock tracker already exists (its states, if any, are CUDA states): set it aside for
+        # an empty CPU one, seeded by model_parallel_cuda_manual_seed or the test builders.
         mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
         mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    _INSTALLED = True
 
 
-def uninstall_cpu_shims() -> None:
-    """Revert :func:`install_cpu_shims` (no-op when not installed)."""
-    global _INSTALLED
-    if not _INSTALLED:
-        return
+def _uninstall() -> None:
     from megatron.core.tensor_parallel import random as mcore_random
 
     for name in _DEVICE_REDIRECTED_MODULES:
@@ -427,8 +435,8 @@ def uninstall_cpu_shims() -> None:
         if key in _ORIGINAL:
             sys.modules[name].torch = _ORIGINAL.pop(key)
     mcore_random.CudaRNGStatesTracker = _ORIGINAL.pop("CudaRNGStatesTracker")
-    tracker, initialized = _ORIGINAL.pop("tracker")
-    if isinstance(mcore_random._CUDA_RNG_STATE_TRACKER, CpuRNGStatesTracker):
-        mcore_random._CUDA_RNG_STATE_TRACKER = tracker
-        mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = initialized
-    _INSTALLED = False
+    # The tracker as it was before the scope, whatever the scope created or seeded.
+    (
+        mcore_random._CUDA_RNG_STATE_TRACKER,
+        mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
+    ) = _ORIGINAL.pop("tracker")

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .cpu_shims import cpu_shims_installed, install_cpu_shims, uninstall_cpu_shims
+from .cpu_shims import cpu_shims
 
 __all__ = ["DEFAULT_SEED", "model_parallel", "run_on_ranks"]
 
@@ -57,9 +57,10 @@ def model_parallel(tp: int = 1, cp: int = 1, *, seed: int = DEFAULT_SEED) -> Ite
 
     With no process group yet, creates a single-rank gloo group on 127.0.0.1 (so only
     ``tp * cp == 1`` works) and destroys it on exit; otherwise uses the existing group, whose
-    world size must be a multiple of ``tp * cp`` (the rest is data parallel). Also installs the CPU
-    shims (reverted on exit unless they were installed before), seeds torch with ``seed`` and seeds
-    Megatron's RNG tracker (``model_parallel_cuda_manual_seed``).
+    world size must be a multiple of ``tp * cp`` (the rest is data parallel). The body runs inside
+    a :func:`~mcore_hooks.testing.cpu_shims` scope (everything it patches is put back on exit),
+    with torch seeded with ``seed`` and Megatron's RNG tracker seeded
+    (``model_parallel_cuda_manual_seed``).
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -77,9 +78,9 @@ def model_parallel(tp: int = 1, cp: int = 1, *, seed: int = DEFAULT_SEED) -> Ite
                 f"Megatron model parallel state is already initialised with (tp, cp) = {sizes}, "
                 f"not {(tp, cp)}"
             )
-        install_cpu_shims()
-        torch.manual_seed(seed)
-        yield
+        with cpu_shims():
+            torch.manual_seed(seed)
+            yield
         return
     created_group = False
     if not dist.is_initialized():
@@ -96,18 +97,16 @@ def model_parallel(tp: int = 1, cp: int = 1, *, seed: int = DEFAULT_SEED) -> Ite
         raise ValueError(
             f"world size {dist.get_world_size()} is not a multiple of tp*cp = {tp * cp}"
         )
-    # Shims installed here are reverted on exit (left alone if someone installed them before).
-    installed_here = not cpu_shims_installed()
     try:
-        install_cpu_shims()
-        _initialize_model_parallel(tp, cp)
-        torch.manual_seed(seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        yield
+        with cpu_shims():
+            _initialize_model_parallel(tp, cp)
+            try:
+                torch.manual_seed(seed)
+                tensor_parallel.model_parallel_cuda_manual_seed(seed)
+                yield
+            finally:
+                parallel_state.destroy_model_parallel()
     finally:
-        parallel_state.destroy_model_parallel()
-        if installed_here:
-            uninstall_cpu_shims()
         if created_group:
             dist.destroy_process_group()
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-from .cpu_shims import CpuCoreAttention, CpuNorm, install_cpu_shims, te_norm_replaced
+from .cpu_shims import CpuCoreAttention, CpuNorm, cpu_shims, te_norm_replaced
 
 __all__ = [
     "TinyModelConfig",
@@ -243,6 +243,11 @@ def build_tiny_model(cfg: TinyModelConfig, model_cls: Optional[type] = None) -> 
     ``inv_freq`` to CUDA), no dropout, ``params_dtype`` parameters, ``parallel_output=True``.
     Hybrid/Mamba models get attention and MLP layers only (pattern ``"*-*-..."``).
 
+    The model is built inside a :func:`~mcore_hooks.testing.cpu_shims` scope. Its forward needs
+    one too at TP > 1 or with sequence parallel (Megatron's mappings allocate on the CUDA device
+    and fork the CUDA RNG tracker): :func:`~mcore_hooks.testing.model_parallel` and
+    :func:`~mcore_hooks.testing.run_on_ranks` run their body in one.
+
     Raises ``NotImplementedError`` for what cannot run on CPU: context or pipeline parallelism,
     and model classes the installed Megatron Core lacks; ``ValueError`` for sequence parallel at
     TP=1 or sizes not divisible by the TP size.
@@ -271,9 +276,12 @@ def build_tiny_model(cfg: TinyModelConfig, model_cls: Optional[type] = None) -> 
         raise ValueError("sequence_parallel needs tensor parallelism (Megatron Core rejects TP=1)")
     if model_cls is None:
         model_cls = stock_model_class(cfg.model_class)
-    install_cpu_shims()
-    _ensure_rng_tracker_seeded(cfg.seed)
-    config = _transformer_config(cfg, tp)
+    with cpu_shims():  # stock construction forks the RNG tracker (Mamba init, <= 0.17)
+        _ensure_rng_tracker_seeded(cfg.seed)
+        return _cast(_construct(cfg, model_cls, _transformer_config(cfg, tp)), cfg)
+
+
+def _construct(cfg: TinyModelConfig, model_cls: type, config: Any) -> torch.nn.Module:
     common: dict[str, Any] = dict(
         config=config,
         vocab_size=cfg.vocab_size,
@@ -285,7 +293,7 @@ def build_tiny_model(cfg: TinyModelConfig, model_cls: Optional[type] = None) -> 
     )
     if cfg.model_class == "gpt":
         torch.manual_seed(cfg.seed)
-        return _cast(model_cls(transformer_layer_spec=_gpt_block_spec(cfg), **common), cfg)
+        return model_cls(transformer_layer_spec=_gpt_block_spec(cfg), **common)
 
     params = _init_params(model_cls)
     # Keyword names changed across versions: the stack spec is mamba_stack_spec (<= 0.17) or
@@ -302,8 +310,7 @@ def build_tiny_model(cfg: TinyModelConfig, model_cls: Optional[type] = None) -> 
     # only while constructing.
     with te_norm_replaced(stack_spec.module.__module__):
         torch.manual_seed(cfg.seed)
-        model = model_cls(**common)
-    return _cast(model, cfg)
+        return model_cls(**common)
 
 
 def _cast(model: torch.nn.Module, cfg: TinyModelConfig) -> torch.nn.Module:
