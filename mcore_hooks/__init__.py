@@ -52,10 +52,10 @@ __all__ = [
     "enable_output_processor",
     "hooked_class",
     "supports_output_processor",
-    "HookedGPTModel",
-    "HookedHybridModel",
-    "HookedMambaModel",
 ]
+# HookedGPTModel / HookedHybridModel / HookedMambaModel are public too, made on first access for
+# the installed release; not in __all__, because a release may lack the class (HybridModel < 0.18)
+# and `import mcore_hooks` does not import Megatron Core to find out.
 
 
 def __getattr__(name: str) -> Any:

@@ -26,7 +26,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib
 import inspect
+import math
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -55,22 +57,30 @@ OUTPUT_PROCESSOR_KEYWORDS: tuple[str, ...] = (
 # --------------------------------------------------------------------------- class discovery
 
 
-def _import(module: str, name: str) -> Optional[type]:
+# Short name -> (module, class): the language-model classes the hook is delivered for. "mamba" is
+# MambaModel in every release (a deprecated HybridModel subclass from 0.18); "hybrid" is 0.18+.
+MODEL_CLASSES: dict[str, tuple[str, str]] = {
+    "gpt": ("megatron.core.models.gpt.gpt_model", "GPTModel"),
+    "hybrid": ("megatron.core.models.hybrid.hybrid_model", "HybridModel"),
+    "mamba": ("megatron.core.models.mamba.mamba_model", "MambaModel"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def model_class(name: str) -> Optional[type]:
+    """The installed release's class for a :data:`MODEL_CLASSES` short name, or None."""
+    module_name, class_name = MODEL_CLASSES[name]
     try:
-        mod = __import__(module, fromlist=[name])
+        module = importlib.import_module(module_name)
     except ImportError:
         return None
-    return getattr(mod, name, None)
+    return getattr(module, class_name, None)
 
 
 @functools.lru_cache(maxsize=None)
 def language_model_classes() -> dict[str, type]:
-    """The supported Megatron Core language-model classes that the installed release has."""
-    found = {
-        "GPTModel": _import("megatron.core.models.gpt.gpt_model", "GPTModel"),
-        "HybridModel": _import("megatron.core.models.hybrid.hybrid_model", "HybridModel"),
-        "MambaModel": _import("megatron.core.models.mamba.mamba_model", "MambaModel"),
-    }
+    """The supported Megatron Core language-model classes that the installed release has, by name."""
+    found = {MODEL_CLASSES[short][1]: model_class(short) for short in MODEL_CLASSES}
     return {name: cls for name, cls in found.items() if cls is not None}
 
 
@@ -114,6 +124,148 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return inner
 
 
+# --------------------------------------------------------------------------- process groups
+
+
+@functools.lru_cache(maxsize=None)
+def _megatron_pg_helpers() -> Optional[tuple[Callable[[Any], int], Callable[[Any], int]]]:
+    try:
+        from megatron.core.utils import get_pg_rank, get_pg_size
+    except ImportError:
+        return None
+    return get_pg_rank, get_pg_size
+
+
+def group_rank_size(group: Any) -> tuple[int, int]:
+    """This process's rank in ``group`` and its size; ``(0, 1)`` for None (not split) or without
+    torch.distributed. Megatron's ``get_pg_rank`` / ``get_pg_size`` where the release has them."""
+    if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return 0, 1
+    helpers = _megatron_pg_helpers()
+    if helpers is not None:
+        return helpers[0](group), helpers[1](group)
+    return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+
+
+def model_of_hook_call(compute_language_model_loss: Any) -> Any:
+    """The model that called the processor: the hook passes its bound ``compute_language_model_loss``
+    (None when the caller passed something else)."""
+    return getattr(compute_language_model_loss, "__self__", None)
+
+
+def context_parallel_group(compute_language_model_loss: Any, config: Any) -> Any:
+    """The model's context-parallel group: ``LanguageModule.cp_group`` (its process-group
+    collection's, 0.14+). Where the model has none (0.13, or a processor called by hand) and the
+    config asks for CP, Megatron's global one; None without CP."""
+    group = getattr(model_of_hook_call(compute_language_model_loss), "cp_group", None)
+    if group is not None:
+        return group
+    if getattr(config, "context_parallel_size", 1) <= 1:
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group()
+
+
+# --------------------------------------------------------------------------- output-layer inputs
+
+
+def run_forward_pre_hooks(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Run ``module``'s forward pre-hooks exactly as ``module(*args, **kwargs)`` runs them before
+    its ``forward`` (torch's ``Module._call_impl``): global hooks, then the module's, each with or
+    without kwargs as registered; a hook's return value replaces the arguments. Returns the
+    ``(args, kwargs)`` the forward would receive."""
+    from torch.nn.modules import module as nn_module
+
+    global_hooks = getattr(nn_module, "_global_forward_pre_hooks", {})
+    with_kwargs = getattr(module, "_forward_pre_hooks_with_kwargs", {})
+    for hook_id, hook in (*global_hooks.items(), *module._forward_pre_hooks.items()):
+        if hook_id in with_kwargs:
+            result = hook(module, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(
+                        "forward pre-hook must return None or a tuple of (new_args, new_kwargs), "
+                        f"but got {result}."
+                    )
+                args, kwargs = result
+        else:
+            result = hook(module, args)
+            if result is not None:
+                args = result if isinstance(result, tuple) else (result,)
+    return args, kwargs
+
+
+def output_layer_inputs(
+    output_layer: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    output_weight: Optional[torch.Tensor],
+    runtime_gather_output: Optional[bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hidden_states, weight)`` as the output layer's ``forward`` would receive them.
+
+    The stock model calls ``output_layer(hidden_states, weight=output_weight,
+    runtime_gather_output=...)``; its forward pre-hooks run first (Megatron DDP's wait for the
+    distributed optimizer's overlapped parameter all-gather, Megatron-FSDP's unshard) and may
+    replace the arguments. A processor that reads the weight instead of calling the layer must see
+    the same, so this runs them, unless the backport is calling the processor from inside those
+    hooks, where they have run already. The weight is ``output_weight`` (tied embeddings) or the
+    layer's own, read after the hooks.
+    """
+    args: tuple = (hidden_states,)
+    kwargs: dict = {"weight": output_weight, "runtime_gather_output": runtime_gather_output}
+    if not called_from_output_layer_pre_hook():
+        args, kwargs = run_forward_pre_hooks(output_layer, args, kwargs)
+    hidden = args[0] if args else kwargs["input_"]
+    weight = kwargs.get("weight")
+    return hidden, (output_layer.weight if weight is None else weight)
+
+
+# --------------------------------------------------------------------------- logit scaling
+
+
+@functools.lru_cache(maxsize=None)
+def _stock_scale_logits() -> Optional[Callable[..., Any]]:
+    try:
+        from megatron.core.models.common.language_module.language_module import LanguageModule
+    except ImportError:
+        return None
+    return getattr(LanguageModule, "_scale_logits", None)
+
+
+def identity_scale_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``scale_logits`` on releases whose stock forward applies no MuP output scaling (< 0.17)."""
+    return logits
+
+
+def scale_logits_of(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    # Releases that have LanguageModule._scale_logits (0.17+) apply it in every stock forward that
+    # the backport serves (GPTModel 0.17, MambaModel 0.17+, HybridModel); older ones scale nothing.
+    return getattr(model, "_scale_logits", identity_scale_logits)
+
+
+def logit_scale(scale_logits: Callable[[torch.Tensor], torch.Tensor], config: Any) -> float:
+    """The constant factor ``scale_logits`` applies to the logits.
+
+    Megatron's own (``LanguageModule._scale_logits``, 0.17+) multiplies by
+    ``config.mup_output_mult`` when ``config.use_mup``: read from the config. Any other callable
+    is probed once on a float64 pair; ValueError if it is not a constant factor.
+    """
+    if scale_logits is identity_scale_logits:
+        return 1.0
+    stock = _stock_scale_logits()
+    if stock is not None and getattr(scale_logits, "__func__", None) is stock:
+        return float(config.mup_output_mult) if getattr(config, "use_mup", False) else 1.0
+    probe = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    out = scale_logits(probe)
+    if out is probe:
+        return 1.0
+    scale = float(out[0])
+    if not math.isclose(float(out[1]), 2.0 * scale, rel_tol=1e-12):
+        raise ValueError("scale_logits: the model's logit scaling is not a constant factor")
+    return scale
+
+
 # --------------------------------------------------------------------------- the call convention
 
 
@@ -123,6 +275,11 @@ def check_output_processor(processor: Any) -> None:
     A processor must accept all 16 keywords by name (or ``**kwargs``, which also keeps it forward
     compatible with keywords a later Megatron Core may add) and require no other argument.
     """
+    if isinstance(processor, type):
+        raise TypeError(
+            f"output_processor: got the class {processor.__name__}, expected an instance of it: "
+            f"pass output_processor={processor.__name__}(...)"
+        )
     if not callable(processor):
         raise TypeError(
             f"output_processor: expected a callable taking Megatron Core's output_processor "
@@ -156,17 +313,6 @@ def check_output_processor(processor: Any) -> None:
             f"output_processor {processor!r} {'; '.join(why)}. A processor is called with the "
             f"keywords {', '.join(OUTPUT_PROCESSOR_KEYWORDS)}; take `**kwargs` to accept them all."
         )
-
-
-def identity_scale_logits(logits: torch.Tensor) -> torch.Tensor:
-    """``scale_logits`` on releases whose stock forward applies no MuP output scaling (< 0.17)."""
-    return logits
-
-
-def scale_logits_of(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    # Releases that have LanguageModule._scale_logits (0.17+) apply it in every stock forward that
-    # the backport serves (GPTModel 0.17, MambaModel 0.17+, HybridModel); older ones scale nothing.
-    return getattr(model, "_scale_logits", identity_scale_logits)
 
 
 def mtp_enabled(model: torch.nn.Module) -> bool:

@@ -35,20 +35,6 @@ __all__ = [
 ]
 
 
-def _group_rank_size(group: Any) -> tuple[int, int]:
-    if group is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return 0, 1
-    return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
-
-
-def _context_parallel_group(config: Any) -> Any:
-    if getattr(config, "context_parallel_size", 1) <= 1:
-        return None
-    from megatron.core import parallel_state
-
-    return parallel_state.get_context_parallel_group()
-
-
 @dataclasses.dataclass(frozen=True)
 class PostprocessContext:
     """The 16 keywords of one ``output_processor`` call, plus the facts a processor derives from them.
@@ -74,7 +60,9 @@ class PostprocessContext:
     scale_logits: Callable[[torch.Tensor], torch.Tensor]
     config: Any
     extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    # Derived.
+    # Derived. ``weight`` is the effective output weight as passed (``output_weight`` when
+    # embeddings are tied, else the layer's), before the output layer's pre-hooks: a processor
+    # that reads it directly takes it from :meth:`output_layer_inputs` instead.
     weight: torch.Tensor = dataclasses.field(default=None)  # type: ignore[assignment]
     tp_group: Any = None
     tp_rank: int = 0
@@ -100,9 +88,9 @@ class PostprocessContext:
         # Tied embeddings pass the embedding's weight; otherwise the output layer owns it.
         weight = known["output_weight"] if known["output_weight"] is not None else layer.weight
         tp_group = getattr(layer, "tp_group", None)
-        tp_rank, tp_size = _group_rank_size(tp_group)
+        tp_rank, tp_size = compat.group_rank_size(tp_group)
         local_vocab = weight.shape[0]
-        cp_group = _context_parallel_group(known["config"])
+        cp_group = compat.context_parallel_group(known["compute_language_model_loss"], known["config"])
         return cls(
             **known,
             extra=extra,
@@ -114,8 +102,26 @@ class PostprocessContext:
             vocab_end=(tp_rank + 1) * local_vocab,
             sequence_parallel=bool(getattr(layer, "sequence_parallel", False)) and tp_size > 1,
             cp_group=cp_group,
-            cp_size=_group_rank_size(cp_group)[1],
+            cp_size=compat.group_rank_size(cp_group)[1],
         )
+
+    def output_layer_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden_states, weight)`` exactly as the output layer's ``forward`` would get them.
+
+        Call it once, instead of reading ``hidden_states`` / ``weight``, in a processor that reads
+        the weight itself rather than calling ``output_layer``: it runs the layer's forward
+        pre-hooks as calling the layer would (the distributed optimizer's wait for the overlapped
+        parameter all-gather, Megatron-FSDP's unshard; their return values honoured), so the
+        weight is never stale. On the backport, where the processor is called from inside those
+        hooks, they are not run twice.
+        """
+        return compat.output_layer_inputs(
+            self.output_layer, self.hidden_states, self.output_weight, self.runtime_gather_output
+        )
+
+    def logit_scale(self) -> float:
+        """The constant factor ``scale_logits`` applies (Megatron's MuP output scaling; 1 without)."""
+        return compat.logit_scale(self.scale_logits, self.config)
 
     def logits(self) -> torch.Tensor:
         """The stock logits ``[s, b, vocab/tp]`` (or gathered): output layer, then MuP scaling."""
@@ -142,6 +148,16 @@ class PostprocessProcessor(abc.ABC):
     objective (temperature, masks, ...) belong in the subclass's constructor or in
     ``output_processor_context``, never in ``forward``.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "PostprocessProcessor":
+        # The hook calls output_processor(**keywords); given the class instead of an instance,
+        # that call constructs one: say so instead of "unexpected keyword 'hidden_states'".
+        if "hidden_states" in kwargs and "output_layer" in kwargs:
+            raise TypeError(
+                f"output_processor: got the class {cls.__name__}, expected an instance of it: "
+                f"pass output_processor={cls.__name__}(...)"
+            )
+        return super().__new__(cls)
 
     def __call__(self, **kwargs: Any) -> Any:
         return self.process(PostprocessContext.from_kwargs(kwargs))

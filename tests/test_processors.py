@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from mcore_hooks import PostprocessContext, hooked_class
+from mcore_hooks import PostprocessContext, compat, hooked_class
 from mcore_hooks.processors import (
     EntropyProcessor,
     FusedLogprobProcessor,
@@ -283,3 +283,76 @@ def test_mup_scaling_through_a_real_model():
     assert not torch.allclose(loss, build_tiny_model(cfg)(**batch))  # the scaling is in effect
     torch.testing.assert_close(model(**batch, output_processor=FusedLogprobProcessor()), -loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(model(**batch, output_processor=LinearCEProcessor()), loss, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- output-layer pre-hooks
+
+
+def _hook_kwargs():
+    """The hook's keywords from a real forward (untied), for calling processors as the native
+    hook does: outside the output layer's own call."""
+    cfg = TinyModelConfig(tied=False)
+    model = _hooked(cfg)
+    batch = tiny_batch(cfg)
+    cap = Capture(FusedLogprobProcessor())
+    model(**batch, output_processor=cap)
+    return model, {k: (v.detach() if torch.is_tensor(v) else v) for k, v in cap.kwargs.items()}
+
+
+def test_pre_hooks_run_as_calling_the_output_layer_would():
+    """A processor that reads the weight runs the output layer's forward pre-hooks exactly as
+    ``nn.Module.__call__`` does: global hooks too, hooks with kwargs, results honoured."""
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    model, kwargs = _hook_kwargs()
+    layer = model.output_layer
+    plain = FusedLogprobProcessor()(**kwargs)
+    calls = []
+
+    def global_hook(module, args):
+        if module is layer:
+            calls.append(("global", len(args)))
+
+    def kwargs_hook(module, args, kw):
+        calls.append(("kwargs", tuple(kw)))
+        return args, dict(kw, weight=module.weight * 0.5)  # a new weight, as FSDP would unshard
+
+    def args_hook(module, args):
+        calls.append(("args", len(args)))
+        return args[0] * 3.0  # a lone tensor stands for the 1-tuple, as in torch
+
+    handles = [
+        register_module_forward_pre_hook(global_hook),
+        layer.register_forward_pre_hook(kwargs_hook, with_kwargs=True),
+        layer.register_forward_pre_hook(args_hook),
+    ]
+    try:
+        hooked = FusedLogprobProcessor()(**kwargs)
+        # what the output layer itself gets from the same hooks
+        seen = {}
+        spy = layer.register_forward_pre_hook(
+            lambda m, a, kw: seen.update(x=a[0], w=kw["weight"]), with_kwargs=True
+        )
+        calls.clear()
+        layer(kwargs["hidden_states"], weight=None, runtime_gather_output=None)
+        spy.remove()
+        order_via_call = list(calls)
+        calls.clear()
+        FusedLogprobProcessor()(**kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == order_via_call == [("global", 1), ("kwargs", ("weight", "runtime_gather_output")), ("args", 1)]
+    ref = FusedLogprobProcessor()(**dict(kwargs, hidden_states=seen["x"], output_weight=seen["w"]))
+    torch.testing.assert_close(hooked, ref, rtol=0, atol=0)
+    assert not torch.allclose(hooked, plain)  # the hooks' new arguments were used
+
+
+def test_pre_hooks_are_not_run_twice_on_the_backport():
+    """On the backport the processor runs inside the output layer's pre-hooks: they ran once."""
+    cfg = TinyModelConfig(tied=False)
+    model = build_tiny_model(cfg, model_cls=compat.backport_class(stock_model_class("gpt")))
+    count = []
+    model.output_layer.register_forward_pre_hook(lambda m, a, kw: count.append(1), with_kwargs=True)
+    model(**tiny_batch(cfg), output_processor=FusedLogprobProcessor())
+    assert count == [1]

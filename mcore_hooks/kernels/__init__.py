@@ -15,8 +15,9 @@ import math
 from typing import NamedTuple, Optional, Union
 
 import torch
-import torch.distributed as dist
 
+from ..compat import group_rank_size
+from ..debug import check_values
 from .autograd import Backend, LinearCrossEntropy, LinearLogSoftmaxStats
 from .options import VocabParallel
 from .torch_chunked import TorchChunked
@@ -42,12 +43,6 @@ class LogprobEntropy(NamedTuple):
 
 def default_chunk_size(local_vocab: int) -> int:
     return max(1, _CHUNK_ELEMENTS // max(1, local_vocab))
-
-
-def _world(group) -> tuple[int, int]:
-    if group is None or not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def linear_logprob_entropy(
@@ -173,7 +168,7 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
             f"hidden: dtype/device {hidden.dtype}/{hidden.device} differ from weight's "
             f"{weight.dtype}/{weight.device}"
         )
-    _, tp = _world(parallel.group)
+    _, tp = group_rank_size(parallel.group)
     sp = parallel.sequence_parallel and tp > 1
     n = hidden.shape[0] * (tp if sp else 1)
     v_total = weight.shape[0] * tp
@@ -199,6 +194,7 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
     if labels is None:
         gl = torch.full((n,), -1, dtype=torch.long, device=dev)
         valid = torch.ones(n, dtype=torch.bool, device=dev)
+        bad = None
     else:
         if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
             raise TypeError(f"labels: expected an integer tensor, got {getattr(labels, 'dtype', type(labels).__name__)}")
@@ -207,12 +203,14 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
         gl = labels.to(device=dev, dtype=torch.long)
         valid = gl != ignore_index
         bad = valid & ((gl < 0) | (gl >= v_total))
-        if bool(bad.any()):
+        if check_values(bad) and bool(bad.any()):
             raise ValueError(
                 f"labels: {int(bad.sum())} id(s) outside [0, {v_total}) and not ignore_index="
                 f"{ignore_index}, e.g. {int(gl[bad][0])}"
             )
-    coef = float(logit_scale) / _temperature(temperature, n, dev)
+    coef = _coefficients(temperature, logit_scale, n, dev)
+    if bad is not None:  # unchecked (CUDA, debug checks off): such a token gives NaN, not a number
+        coef = torch.where(bad, torch.nan, coef)
     group = parallel.group if tp > 1 else None
     return _Prepared(n, gl, valid, coef, group, sp, chunk_size, backend_impl)
 
@@ -250,18 +248,22 @@ def _select_backend(name: str, hidden: torch.Tensor) -> Backend:
     return TorchChunked()
 
 
-def _temperature(temperature: Union[float, torch.Tensor], n: int, dev: torch.device) -> torch.Tensor:
+def _coefficients(temperature: Union[float, torch.Tensor], logit_scale: float, n: int,
+                  dev: torch.device) -> torch.Tensor:
+    """``logit_scale / temperature`` per token, float32 ``[N]``. A per-token temperature that is
+    not positive and finite raises where its values are checked, else gives NaN there."""
     if isinstance(temperature, torch.Tensor):
         if not temperature.dtype.is_floating_point:
             raise TypeError(f"temperature: expected a float tensor, got {temperature.dtype}")
         if temperature.shape != (n,):
             raise ValueError(f"temperature: expected a float or shape ({n},), got {tuple(temperature.shape)}")
         t = temperature.detach().to(device=dev, dtype=torch.float32)
-        if not bool(torch.isfinite(t).all() & (t > 0).all()):
+        ok = torch.isfinite(t) & (t > 0)
+        if check_values(t) and not bool(ok.all()):
             raise ValueError("temperature: every value must be positive and finite")
-        return t
+        return torch.where(ok, float(logit_scale) / t, torch.nan)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature: expected a float or tensor, got {type(temperature).__name__}")
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature: expected a positive finite value, got {temperature!r}")
-    return torch.full((n,), float(temperature), dtype=torch.float32, device=dev)
+    return torch.full((n,), float(logit_scale) / float(temperature), dtype=torch.float32, device=dev)

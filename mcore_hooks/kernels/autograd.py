@@ -30,6 +30,7 @@ from typing import NamedTuple, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from ..compat import group_rank_size
 from .matmul import addmm_f32_, mm_f32
 
 
@@ -66,14 +67,14 @@ class Backend(Protocol):
 
 
 def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
+    if group_rank_size(group)[1] > 1:
         dist.all_reduce(t, op=op, group=group)
     return t
 
 
 def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
     """Sequence-parallel all-gather along tokens, allocating on ``x``'s device."""
-    world = dist.get_world_size(group)
+    world = group_rank_size(group)[1]
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather(list(out.chunk(world)), x.contiguous(), group=group)
     return out
@@ -81,10 +82,10 @@ def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
 
 def reduce_scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over ranks, keep this rank's token shard (the sequence-parallel dgrad reduction)."""
-    world = dist.get_world_size(group)
+    rank, world = group_rank_size(group)
     if x.device.type == "cpu":  # gloo has no reduce_scatter: all-reduce, then slice
         dist.all_reduce(x, group=group)
-        return x.chunk(world)[dist.get_rank(group)].clone()
+        return x.chunk(world)[rank].clone()
     out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
     return out

@@ -15,6 +15,7 @@ from typing import Any, Literal, NamedTuple, Optional, Union
 import torch
 
 from .. import compat
+from ..debug import check_values
 from ..kernels import (
     BACKENDS,
     LogprobEntropy,
@@ -33,33 +34,6 @@ __all__ = [
 ]
 
 
-def logit_scale_of(ctx: PostprocessContext) -> float:
-    """The constant factor ``ctx.scale_logits`` applies (Megatron's MuP output scaling; 1 without)."""
-    probe = torch.tensor([1.0, 2.0], dtype=torch.float64)
-    out = ctx.scale_logits(probe)
-    if out is probe:
-        return 1.0
-    scale = float(out[0])
-    if not math.isclose(float(out[1]), 2.0 * scale, rel_tol=1e-12):
-        raise ValueError("scale_logits: the model's logit scaling is not a constant factor")
-    return scale
-
-
-def ensure_output_weight_ready(ctx: PostprocessContext) -> None:
-    """Run the output layer's forward pre-hooks if the stock path would have run them.
-
-    Megatron's DDP with the distributed optimizer and ``overlap_param_gather`` waits for a
-    module's parameter all-gather in a forward pre-hook. Native hooks (>= 0.18) call the processor
-    instead of ``output_layer``, so a processor that reads the weight directly must run them.
-    The backport already calls the processor from inside those hooks (after them).
-    """
-    layer = ctx.output_layer
-    if compat.called_from_output_layer_pre_hook():
-        return
-    for hook in list(getattr(layer, "_forward_pre_hooks", {}).values()):
-        hook(layer, (ctx.hidden_states,))
-
-
 class _KernelInputs(NamedTuple):
     hidden: torch.Tensor
     weight: torch.Tensor
@@ -69,24 +43,54 @@ class _KernelInputs(NamedTuple):
     labels_bs: Optional[torch.Tensor]
 
 
+def _check_options(temperature: Any, ignore_index: Any, chunk_size: Any, backend: Any) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if isinstance(temperature, torch.Tensor):
+        if temperature.dim() != 1 or not temperature.dtype.is_floating_point:
+            raise ValueError(
+                "temperature: expected a positive float or a 1-D float tensor (one per sample), "
+                f"got a {temperature.dtype} tensor of shape {tuple(temperature.shape)}"
+            )
+        if check_values(temperature) and not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
+            raise ValueError("temperature: every value must be positive and finite")
+    elif isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature: expected a positive finite value, got {temperature!r}")
+    else:
+        raise TypeError(
+            f"temperature: expected a positive float or a 1-D float tensor, got {type(temperature).__name__}"
+        )
+    # Whether it collides with a vocabulary id is checked once the vocabulary size is known.
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index: expected an int (e.g. -100), got {ignore_index!r}")
+    if chunk_size is not None and (
+        not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
+    ):
+        raise ValueError(f"chunk_size: expected a positive int or None, got {chunk_size!r}")
+
+
+def _check_flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+
+
 class _FusedProcessor(PostprocessProcessor):
     """Shared options and the adaptation from the hook's keywords to the kernel."""
 
-    def __init__(
-        self,
-        *,
-        temperature: Union[float, torch.Tensor] = 1.0,
-        ignore_index: int = -100,
-        chunk_size: Optional[int] = None,
-        backend: str = "auto",
+    def __new__(cls, *args: Any, **kwargs: Any) -> "_FusedProcessor":
+        if args:
+            raise TypeError(
+                f"{cls.__name__}() takes keyword arguments only, e.g. "
+                f"{cls.__name__}(temperature=0.7); got {len(args)} positional argument(s)"
+            )
+        return super().__new__(cls, **kwargs)
+
+    def _set_options(
+        self, temperature: Union[float, torch.Tensor], ignore_index: int, chunk_size: Optional[int],
+        backend: str,
     ) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
-        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
-            if not (math.isfinite(temperature) and temperature > 0):
-                raise ValueError(f"temperature: expected a positive finite value, got {temperature!r}")
-        elif not isinstance(temperature, torch.Tensor):
-            raise TypeError(f"temperature: expected a float or tensor, got {type(temperature).__name__}")
+        _check_options(temperature, ignore_index, chunk_size, backend)
         self.temperature = temperature
         self.ignore_index = ignore_index
         self.chunk_size = chunk_size
@@ -109,8 +113,7 @@ class _FusedProcessor(PostprocessProcessor):
         """The hook's keywords in the kernels' form: ``[tokens, h]`` hidden states (s-major),
         flat labels, keyword arguments, the ``(b, s)`` to reshape per-token results to, and the
         ``[b, s]`` labels used (None without labels)."""
-        ensure_output_weight_ready(ctx)
-        hidden = ctx.hidden_states
+        hidden, weight = ctx.output_layer_inputs()
         if hidden.dim() != 3:
             raise ValueError(f"hidden_states: expected [s, b, h], got shape {tuple(hidden.shape)}")
         s_local, b, h = hidden.shape
@@ -127,13 +130,13 @@ class _FusedProcessor(PostprocessProcessor):
             flat_labels = labels.t().reshape(-1)  # [s*b], s-major like the hidden states
         kwargs = dict(
             temperature=per_token_temperature(self.temperature, b, s, ctx.packed_seq_params),
-            logit_scale=logit_scale_of(ctx),
+            logit_scale=ctx.logit_scale(),
             ignore_index=self.ignore_index,
             parallel=VocabParallel(ctx.tp_group, ctx.vocab_start, ctx.sequence_parallel),
             chunk_size=self.chunk_size,
             backend=self.backend,
         )
-        return _KernelInputs(hidden.reshape(-1, h), ctx.weight, flat_labels, kwargs, (b, s), labels)
+        return _KernelInputs(hidden.reshape(-1, h), weight, flat_labels, kwargs, (b, s), labels)
 
     def compute(
         self, ctx: PostprocessContext, *, with_labels: bool = True
@@ -151,7 +154,31 @@ class _FusedProcessor(PostprocessProcessor):
 
 
 class FusedLogprobProcessor(_FusedProcessor):
-    """Log-probability of each label, float32 ``[b, s]`` (``-`` the stock per-token loss)."""
+    """Log-probability of each label, float32 ``[b, s]`` (``-`` the stock per-token loss).
+
+    Labels are the model's ``labels``, or next-token labels derived from ``input_ids`` (per
+    sequence when packed). Under the combined-1F1B schedule plan the result is a tensor already.
+
+    Args:
+        temperature: divides the logits (never the log-probs): a positive float, or a 1-D float
+            tensor of one per sample (``[b]``; one per packed sequence with packed THD input).
+        ignore_index: the label of positions to skip (never a vocabulary id): they give 0 and no
+            gradient.
+        chunk_size: tokens per chunk of the torch backend's fp32 logits (None: about 2**26
+            logits a chunk); the Triton backend sizes its own tiles.
+        backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
+            ``"torch"`` or ``"triton"``.
+    """
+
+    def __init__(
+        self,
+        *,
+        temperature: Union[float, torch.Tensor] = 1.0,
+        ignore_index: int = -100,
+        chunk_size: Optional[int] = None,
+        backend: str = "auto",
+    ) -> None:
+        self._set_options(temperature, ignore_index, chunk_size, backend)
 
     def process(self, ctx: PostprocessContext) -> torch.Tensor:
         r, bs, _ = self.compute(ctx)
@@ -163,10 +190,31 @@ class EntropyProcessor(_FusedProcessor):
 
     Positions whose label is ``ignore_index`` give 0 when labels are passed (or derived with
     ``mask_from_labels=True``); otherwise every position is computed.
+
+    Args:
+        mask_from_labels: without ``labels``, derive them from ``input_ids`` to zero the
+            positions that have no next token (sequence ends, padding).
+        temperature: divides the logits (never the log-probs): a positive float, or a 1-D float
+            tensor of one per sample (``[b]``; one per packed sequence with packed THD input).
+        ignore_index: the label of positions to skip (never a vocabulary id): they give 0 and no
+            gradient.
+        chunk_size: tokens per chunk of the torch backend's fp32 logits (None: about 2**26
+            logits a chunk); the Triton backend sizes its own tiles.
+        backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
+            ``"torch"`` or ``"triton"``.
     """
 
-    def __init__(self, *, mask_from_labels: bool = False, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        *,
+        mask_from_labels: bool = False,
+        temperature: Union[float, torch.Tensor] = 1.0,
+        ignore_index: int = -100,
+        chunk_size: Optional[int] = None,
+        backend: str = "auto",
+    ) -> None:
+        _check_flag("mask_from_labels", mask_from_labels)
+        self._set_options(temperature, ignore_index, chunk_size, backend)
         self.mask_from_labels = mask_from_labels
 
     def process(self, ctx: PostprocessContext) -> torch.Tensor:
@@ -179,11 +227,32 @@ class LogprobEntropyProcessor(_FusedProcessor):
     """Log-prob and entropy from one pass over the vocabulary (one matmul, not two).
 
     Returns ``{"logprobs": [b, s], "entropy": [b, s]}``, or with ``as_tuple=True`` the tuple
-    ``(logprobs, entropy)`` that the combined-1F1B schedule plan accepts.
+    ``(logprobs, entropy)``: the form the combined-1F1B schedule plan takes (a tensor or a tuple
+    of tensors; the scheduler calls ``loss_func(*outputs)``).
+
+    Args:
+        as_tuple: return ``(logprobs, entropy)`` instead of the dict.
+        temperature: divides the logits (never the log-probs): a positive float, or a 1-D float
+            tensor of one per sample (``[b]``; one per packed sequence with packed THD input).
+        ignore_index: the label of positions to skip (never a vocabulary id): they give 0 and no
+            gradient.
+        chunk_size: tokens per chunk of the torch backend's fp32 logits (None: about 2**26
+            logits a chunk); the Triton backend sizes its own tiles.
+        backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
+            ``"torch"`` or ``"triton"``.
     """
 
-    def __init__(self, *, as_tuple: bool = False, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(
+        self,
+        *,
+        as_tuple: bool = False,
+        temperature: Union[float, torch.Tensor] = 1.0,
+        ignore_index: int = -100,
+        chunk_size: Optional[int] = None,
+        backend: str = "auto",
+    ) -> None:
+        _check_flag("as_tuple", as_tuple)
+        self._set_options(temperature, ignore_index, chunk_size, backend)
         self.as_tuple = as_tuple
 
     def process(self, ctx: PostprocessContext) -> Union[dict, tuple]:
@@ -196,18 +265,42 @@ class LinearCEProcessor(_FusedProcessor):
     """Cross-entropy of the labels, fused with the output layer.
 
     ``reduction="none"``: float32 ``[b, s]``, equal to the stock per-token loss (0 at
-    ``ignore_index``). ``"sum"`` / ``"mean"``: a scalar over positions where ``loss_mask`` (if the
-    model got one) is nonzero and the label is not ignored, weighted by the mask; ``"mean"``
-    divides by the mask's sum. The reduced losses take
-    :func:`~mcore_hooks.kernels.linear_cross_entropy`: their gradients are formed during the
-    forward (three matmuls instead of four), and the forward holds float32 gradients for the
-    hidden states and the output weight until the backward.
+    ``ignore_index``). ``"sum"`` / ``"mean"``: a float32 scalar over the positions whose label is
+    not ignored, weighted by ``loss_mask`` when the model got one; ``"mean"`` divides by the
+    weights' sum, as Megatron's masked mean does: with no position counted that is 0 / 0 = NaN
+    (and NaN gradients), like Megatron's loss function and ``torch.nn.functional.cross_entropy``.
+    Under context parallelism the value is the whole sequence's (the sums are all-reduced over
+    the CP group, as Megatron's masked mean does), on every CP rank, while each rank's gradient
+    is its own tokens' share: summed over the CP group, the gradients are the unsplit run's.
+
+    The reduced losses take :func:`~mcore_hooks.kernels.linear_cross_entropy`: their gradients
+    are formed during the forward (three matmuls instead of four), and the forward holds float32
+    gradients for the hidden states and the output weight until the backward.
+
+    Args:
+        reduction: ``"none"``, ``"sum"`` or ``"mean"``.
+        temperature: divides the logits (never the log-probs): a positive float, or a 1-D float
+            tensor of one per sample (``[b]``; one per packed sequence with packed THD input).
+        ignore_index: the label of positions to skip (never a vocabulary id): they give 0 and no
+            gradient.
+        chunk_size: tokens per chunk of the torch backend's fp32 logits (None: about 2**26
+            logits a chunk); the Triton backend sizes its own tiles.
+        backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
+            ``"torch"`` or ``"triton"``.
     """
 
-    def __init__(self, *, reduction: Literal["none", "sum", "mean"] = "none", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        reduction: Literal["none", "sum", "mean"] = "none",
+        temperature: Union[float, torch.Tensor] = 1.0,
+        ignore_index: int = -100,
+        chunk_size: Optional[int] = None,
+        backend: str = "auto",
+    ) -> None:
         if reduction not in ("none", "sum", "mean"):
             raise ValueError(f"reduction: expected 'none', 'sum' or 'mean', got {reduction!r}")
-        super().__init__(**kwargs)
+        self._set_options(temperature, ignore_index, chunk_size, backend)
         self.reduction = reduction
 
     def process(self, ctx: PostprocessContext) -> torch.Tensor:
@@ -219,6 +312,18 @@ class LinearCEProcessor(_FusedProcessor):
         if ctx.loss_mask is not None:
             weight = weight * ctx.loss_mask.float()
         if self.reduction == "mean":
-            weight = weight / weight.sum().clamp(min=1.0)
+            weight = weight / _cp_sum(weight.sum(), ctx.cp_group)  # 0 / 0 = NaN, as Megatron's
         token_weight = weight.t().reshape(-1)  # s-major, like the kernel's tokens
-        return linear_cross_entropy(k.hidden, k.weight, k.labels, token_weight=token_weight, **k.kwargs)
+        loss = linear_cross_entropy(k.hidden, k.weight, k.labels, token_weight=token_weight, **k.kwargs)
+        if ctx.cp_size > 1:  # the whole sequence's value, this rank's gradient
+            loss = loss + (_cp_sum(loss.detach(), ctx.cp_group) - loss.detach())
+        return loss
+
+
+def _cp_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """``t`` summed over the context-parallel group (a copy; no gradient flows through it)."""
+    t = t.detach().clone()
+    if compat.group_rank_size(group)[1] > 1:
+        torch.distributed.all_reduce(t, group=group)
+    return t
+

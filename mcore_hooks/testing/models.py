@@ -10,14 +10,13 @@ depend only on ``TinyModelConfig.seed`` (and not on the tensor-parallel size: wi
 from __future__ import annotations
 
 import copy
-import functools
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from ..compat import MODEL_CLASSES, model_class
 from .cpu_shims import CpuCoreAttention, CpuNorm, cpu_shims, te_norm_replaced
 
 __all__ = [
@@ -49,37 +48,18 @@ class TinyModelConfig:
     seed: int = 1234
 
 
-# name -> (module, class). "mamba" is MambaModel in every version (a deprecated HybridModel
-# subclass from 0.18); "hybrid" only exists from 0.18.
-_MODEL_CLASSES = {
-    "gpt": ("megatron.core.models.gpt.gpt_model", "GPTModel"),
-    "hybrid": ("megatron.core.models.hybrid.hybrid_model", "HybridModel"),
-    "mamba": ("megatron.core.models.mamba.mamba_model", "MambaModel"),
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _import_model_class(name: str) -> Optional[type]:
-    module_name, class_name = _MODEL_CLASSES[name]
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        return None
-    return getattr(module, class_name, None)
-
-
 def available_model_classes() -> tuple[str, ...]:
     """Which of ``"gpt"``, ``"hybrid"``, ``"mamba"`` the installed Megatron Core provides."""
-    return tuple(name for name in _MODEL_CLASSES if _import_model_class(name) is not None)
+    return tuple(name for name in MODEL_CLASSES if model_class(name) is not None)
 
 
 def stock_model_class(name: str) -> type:
     """The stock Megatron Core class for ``"gpt"``, ``"hybrid"`` or ``"mamba"``."""
-    if name not in _MODEL_CLASSES:
-        raise ValueError(f"unknown model class {name!r}; expected one of {tuple(_MODEL_CLASSES)}")
-    cls = _import_model_class(name)
+    if name not in MODEL_CLASSES:
+        raise ValueError(f"unknown model class {name!r}; expected one of {tuple(MODEL_CLASSES)}")
+    cls = model_class(name)
     if cls is None:
-        module_name, class_name = _MODEL_CLASSES[name]
+        module_name, class_name = MODEL_CLASSES[name]
         raise NotImplementedError(
             f"the installed Megatron Core has no {module_name}.{class_name} "
             f"(available: {available_model_classes()})"
