@@ -269,6 +269,96 @@ def test_context_parallel_local_tokens():
         assert ok and refused
 
 
+def _cp_reduced_check(reduction: str, all_masked: bool):
+    """CP=2, LinearCEProcessor sum/mean with a loss mask: every rank's value is the unsplit
+    run's, each rank's hidden-state gradient is the unsplit gradient's slice, and the output
+    weight's gradients summed over the CP group are the unsplit one."""
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_context_parallel_group()
+    rank = parallel_state.get_context_parallel_rank()
+    g = torch.Generator().manual_seed(9)
+    s, b, hidden_size, vocab = 8, 2, 16, 40
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(hidden_size, vocab, bias=False)
+    hidden = torch.randn(s, b, hidden_size, generator=g)
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    labels[0, 1] = -100
+    mask = (torch.rand(b, s, generator=g) > 0.3).float()
+    mask[:, : s // 2] = 0.0  # rank 0's half counts far fewer tokens than rank 1's
+    mask[1, 1] = 1.0
+    if all_masked:
+        mask.zero_()
+
+    class Model:  # what the hook's bound compute_language_model_loss points at
+        cp_group = group
+
+        def compute_language_model_loss(self, labels, logits):  # pragma: no cover - unused
+            raise AssertionError
+
+    def run(h, lab, m, model, cp):
+        h = h.clone().requires_grad_()
+        layer.zero_grad()
+        out = LinearCEProcessor(reduction=reduction)(
+            hidden_states=h, output_layer=layer, output_weight=None, labels=lab, loss_mask=m,
+            input_ids=None, position_ids=None, attention_mask=None, decoder_input=None,
+            inference_context=None, packed_seq_params=None, runtime_gather_output=None,
+            context=None, compute_language_model_loss=model.compute_language_model_loss,
+            scale_logits=lambda x: x, config=types.SimpleNamespace(context_parallel_size=cp),
+        )
+        out.backward()
+        return out.detach(), h.grad, layer.weight.grad.clone()
+
+    part = slice(rank * s // 2, (rank + 1) * s // 2)
+    local, dh, dw = run(hidden[part], labels[:, part], mask[:, part], Model(), 2)
+    dist.all_reduce(dw, group=group)
+
+    class Unsplit(Model):
+        cp_group = None
+
+    full, dh_full, dw_full = run(hidden, labels, mask, Unsplit(), 1)
+    # stock: fp32 logits, per-token cross-entropy, then Megatron's masked sum / mean
+    h = hidden.clone().requires_grad_()
+    layer.zero_grad()
+    ce = torch.nn.functional.cross_entropy(
+        (h @ layer.weight.t()).transpose(0, 1).reshape(-1, vocab), labels.reshape(-1),
+        reduction="none", ignore_index=-100,
+    )
+    stock = (ce * mask.reshape(-1)).sum()
+    if reduction == "mean":
+        stock = stock / mask.sum()
+    stock.backward()
+    stock_grads = (h.grad[part], layer.weight.grad.clone())
+    return local, full, stock.detach(), dh, dh_full[part], dw, dw_full, stock_grads
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_context_parallel_reduced_loss_is_the_whole_sequences(reduction):
+    for local, full, stock, dh, dh_ref, dw, dw_ref, (stock_dh, stock_dw) in run_on_ranks(
+        _cp_reduced_check, 2, reduction, False, tp=1, cp=2
+    ):
+        tol = dict(rtol=1e-5, atol=1e-7)  # fp32 sums in another order
+        torch.testing.assert_close(full, stock, **tol)
+        torch.testing.assert_close(local, full, **tol)
+        torch.testing.assert_close(dh, dh_ref, **tol)
+        torch.testing.assert_close(dw, dw_ref, **tol)
+        torch.testing.assert_close(dw_ref, stock_dw, **tol)
+
+
+def test_all_masked_mean_is_nan_like_megatrons_masked_mean():
+    """No position counted: 0 / 0 = NaN, value and gradients, exactly where stock has them."""
+    for local, full, stock, dh, dh_full, dw, dw_full, (stock_dh, stock_dw) in run_on_ranks(
+        _cp_reduced_check, 2, "mean", True, tp=1, cp=2
+    ):
+        assert torch.isnan(stock) and torch.isnan(full) and torch.isnan(local)
+        assert torch.isnan(stock_dh).any()
+        assert torch.equal(torch.isnan(dh_full), torch.isnan(stock_dh))
+        assert torch.equal(torch.isnan(dw_full), torch.isnan(stock_dw))
+        assert torch.isnan(dh).any() and torch.isnan(dw).any()
+
+
 def test_mup_scaling_through_a_real_model():
     """Where Megatron Core has MuP output scaling (0.17+), processors see it as stock does."""
     cfg = TinyModelConfig(tied=False)
