@@ -11,6 +11,8 @@ Public API (everything else is internal):
 * :func:`check_output_processor`, ``OUTPUT_PROCESSOR_KEYWORDS`` — the call convention;
 * the bundled processors (:mod:`mcore_hooks.processors`): :class:`FusedLogprobProcessor`,
   :class:`EntropyProcessor`, :class:`LogprobEntropyProcessor`, :class:`LinearCEProcessor`;
+* :func:`debug_checks`, :func:`set_debug_checks` — checks that read device values (label
+  range, temperatures), off on CUDA by default to keep the hot path free of host syncs;
 * :mod:`mcore_hooks.kernels` — the math on plain tensors: ``linear_logprob_entropy``,
   ``linear_cross_entropy``, ``VocabParallel``.
 
@@ -20,6 +22,7 @@ verify`` (or ``python -m mcore_hooks verify``) checks the bundled processors aga
 
 from typing import Any
 
+from .debug import debug_checks, set_debug_checks
 from .postprocess import (
     OUTPUT_PROCESSOR_KEYWORDS,
     DefaultProcessor,
@@ -49,8 +52,10 @@ __all__ = [
     "PostprocessContext",
     "PostprocessProcessor",
     "check_output_processor",
+    "debug_checks",
     "enable_output_processor",
     "hooked_class",
+    "set_debug_checks",
     "supports_output_processor",
 ]
 # HookedGPTModel / HookedHybridModel / HookedMambaModel are public too, made on first access for

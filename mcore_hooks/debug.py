@@ -7,37 +7,47 @@ only with debug checks on; off, an offending token's log-prob, entropy and loss 
 are the gradients it feeds) instead of a silently wrong number. Tensors on the CPU are always
 checked: reading them synchronises with nothing.
 
-Turn the checks on with the environment variable ``MCORE_HOOKS_DEBUG_CHECKS=1``, or in code with
-:func:`set_debug_checks` / the :func:`debug_checks` context manager.
+Turn the checks on everywhere with the environment variable ``MCORE_HOOKS_DEBUG_CHECKS=1``, or in
+code with :func:`set_debug_checks` / the :func:`debug_checks` context manager; ``False`` (or
+``MCORE_HOOKS_DEBUG_CHECKS=0``) turns them off on the CPU too; ``None`` is the default (CPU only).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 __all__ = ["debug_checks", "debug_checks_enabled", "set_debug_checks"]
 
-_ENABLED = os.environ.get("MCORE_HOOKS_DEBUG_CHECKS", "").strip().lower() not in ("", "0", "false", "no")
+def _from_environment() -> Optional[bool]:
+    value = os.environ.get("MCORE_HOOKS_DEBUG_CHECKS", "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    return value not in ("0", "false", "no", "off")
 
 
-def debug_checks_enabled() -> bool:
-    """Whether checks that read device values run (see the module docstring)."""
+_ENABLED: Optional[bool] = _from_environment()
+
+
+def debug_checks_enabled() -> Optional[bool]:
+    """True (value checks everywhere), False (nowhere) or None (default: CPU tensors only)."""
     return _ENABLED
 
 
-def set_debug_checks(enabled: bool) -> None:
-    """Turn the value checks on CUDA tensors on or off for this process."""
+def set_debug_checks(enabled: Optional[bool]) -> None:
+    """Value checks everywhere (True), nowhere (False), or on CPU tensors only (None)."""
     global _ENABLED
-    _ENABLED = bool(enabled)
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"enabled: expected True, False or None, got {enabled!r}")
+    _ENABLED = enabled
 
 
 @contextlib.contextmanager
-def debug_checks(enabled: bool = True) -> Iterator[None]:
-    """Within the block, value checks on CUDA tensors are on (or off); restored on exit."""
+def debug_checks(enabled: Optional[bool] = True) -> Iterator[None]:
+    """Within the block, :func:`set_debug_checks` ``(enabled)``; the previous setting on exit."""
     previous = _ENABLED
     set_debug_checks(enabled)
     try:
@@ -47,5 +57,5 @@ def debug_checks(enabled: bool = True) -> Iterator[None]:
 
 
 def check_values(t: torch.Tensor) -> bool:
-    """Whether to check ``t``'s values now: always on the CPU, on other devices in debug mode."""
-    return _ENABLED or t.device.type == "cpu"
+    """Whether to check ``t``'s values now (see :func:`set_debug_checks`)."""
+    return t.device.type == "cpu" if _ENABLED is None else _ENABLED

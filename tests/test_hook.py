@@ -219,6 +219,8 @@ def test_context_derived_facts():
     assert ctx.weight is model.output_layer.weight
     assert (ctx.tp_rank, ctx.tp_size, ctx.vocab_start, ctx.vocab_end) == (0, 1, 0, cfg.vocab_size)
     assert ctx.sequence_parallel is False and ctx.cp_size == 1 and ctx.extra == {}
+    # the CP group is the model's own (its process-group collection, 0.14+), not global state
+    assert ctx.cp_group is getattr(model, "cp_group", None)
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.labels = None  # type: ignore[misc]
 
@@ -381,11 +383,15 @@ def _tp2_checks():
     return rows, shapes
 
 
-def test_tensor_parallel_2_bitwise_with_and_without_sequence_parallel():
+def test_tensor_parallel_2_matches_stock_with_and_without_sequence_parallel():
+    """verify's checks at TP=2: hook off and DefaultProcessor bitwise, fused processors within
+    their fp32 tolerance; under SP the processor sees this rank's [s/tp, b, h] shard."""
     per_rank = run_on_ranks(_tp2_checks, 2)
     for rows, shapes in per_rank:
         failed = [r for r in rows if not r.passed]
         assert not failed, failed
+        exact = [r for r in rows if r.tolerance == 0]
+        assert exact and all(r.value_abs == 0 and r.grad_abs == 0 for r in exact)
         layouts = {r.layout for r in rows}
         assert any("sp" in l for l in layouts) and any("sp" not in l for l in layouts)
         assert any("packed" in l for l in layouts)

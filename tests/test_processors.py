@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from mcore_hooks import PostprocessContext, compat, hooked_class
+from mcore_hooks import PostprocessContext, compat, enable_output_processor, hooked_class
 from mcore_hooks.processors import (
     EntropyProcessor,
     FusedLogprobProcessor,
@@ -98,9 +98,10 @@ def test_temperature_divides_logits_in_forward_and_backward(per_sample):
     out = model(**batch, output_processor=cap)
     g = torch.Generator().manual_seed(0)
     w1, w2 = torch.rand(out["logprobs"].shape, generator=g), torch.rand(out["entropy"].shape, generator=g)
-    (out["logprobs"] * w1 + out["entropy"] * w2).sum().backward()
-    got_grad = cap.kwargs["hidden_states"]  # non-leaf: compare through the output weight's grad
-    got_w = model.output_layer.weight.grad.clone()
+    hidden = cap.kwargs["hidden_states"]  # a non-leaf: its gradient through autograd.grad
+    got_h, got_w = torch.autograd.grad(
+        (out["logprobs"] * w1 + out["entropy"] * w2).sum(), [hidden, model.output_layer.weight]
+    )
 
     kwargs = dict(cap.kwargs)
     h = kwargs["hidden_states"].detach().double().requires_grad_()
@@ -114,7 +115,7 @@ def test_temperature_divides_logits_in_forward_and_backward(per_sample):
     torch.testing.assert_close(out["entropy"].double(), ent.detach(), rtol=1e-5, atol=1e-6)
     (lp * w1.double() + ent * w2.double()).sum().backward()
     assert ((got_w.double() - wt.grad).norm() / wt.grad.norm()) < 1e-5
-    assert got_grad is not None
+    assert ((got_h.double() - h.grad).norm() / h.grad.norm()) < 1e-5
 
 
 def test_ignore_index_gives_zero_and_no_gradient():
@@ -446,3 +447,84 @@ def test_pre_hooks_are_not_run_twice_on_the_backport():
     model.output_layer.register_forward_pre_hook(lambda m, a, kw: count.append(1), with_kwargs=True)
     model(**tiny_batch(cfg), output_processor=FusedLogprobProcessor())
     assert count == [1]
+
+
+# --------------------------------------------------------------------------- construction, debug checks
+
+
+def test_construction_errors_name_the_class_and_argument():
+    cfg = TinyModelConfig()
+    model = enable_output_processor(build_tiny_model(cfg))
+    batch = tiny_batch(cfg)
+    with pytest.raises(TypeError, match=r"got the class FusedLogprobProcessor, expected an instance"):
+        model(**batch, output_processor=FusedLogprobProcessor)  # native hook or backport alike
+    with pytest.raises(TypeError, match=r"FusedLogprobProcessor\(\) takes keyword arguments only"):
+        FusedLogprobProcessor(0.7)
+    with pytest.raises(TypeError, match=r"FusedLogprobProcessor.__init__\(\) got an unexpected keyword argument 'temprature'"):
+        FusedLogprobProcessor(temprature=0.7)
+    cases = [
+        (dict(chunk_size=0), ValueError, "chunk_size: expected a positive int"),
+        (dict(chunk_size=2.0), ValueError, "chunk_size"),
+        (dict(ignore_index=1.5), TypeError, "ignore_index: expected an int"),
+        (dict(backend="cuda"), ValueError, "backend: expected one of"),
+        (dict(temperature=torch.ones(2, 2)), ValueError, "temperature: expected a positive float or a 1-D"),
+        (dict(temperature=torch.tensor([1.0, 0.0])), ValueError, "temperature: every value"),
+        (dict(temperature=torch.tensor([1, 2])), ValueError, "temperature"),
+    ]
+    for cls in (FusedLogprobProcessor, EntropyProcessor, LogprobEntropyProcessor, LinearCEProcessor):
+        for kwargs, err, msg in cases:
+            with pytest.raises(err, match=msg):
+                cls(**kwargs)
+    with pytest.raises(TypeError, match="as_tuple: expected True or False"):
+        LogprobEntropyProcessor(as_tuple="yes")
+    with pytest.raises(TypeError, match="mask_from_labels"):
+        EntropyProcessor(mask_from_labels=None)
+
+
+def test_unchecked_bad_values_give_nan_not_numbers():
+    """With value checks off (CUDA's default), an out-of-range label or a non-positive per-token
+    temperature makes that token's results NaN instead of a plausible wrong number."""
+    from mcore_hooks.debug import debug_checks
+    from mcore_hooks.kernels import linear_cross_entropy, linear_logprob_entropy
+
+    x, w = torch.randn(4, 8), torch.randn(10, 8)
+    labels = torch.tensor([1, 10, 3, -100])  # 10 is not a vocabulary id
+    temperature = torch.tensor([1.0, 1.0, -1.0, 1.0])
+    with pytest.raises(ValueError, match="labels: 1 id"):  # CPU tensors: checked by default
+        linear_logprob_entropy(x, w, labels)
+    with debug_checks(False):  # as on CUDA by default: no value is read on the host
+        r = linear_logprob_entropy(x, w, labels, temperature=temperature)
+        ce = linear_cross_entropy(x, w, torch.tensor([1, 2, 10, -100]))
+    assert torch.isnan(r.logprob[1]) and torch.isnan(r.entropy[1])
+    assert torch.isnan(r.logprob[2]) and torch.isnan(r.entropy[2])
+    assert torch.isfinite(r.logprob[0]) and r.logprob[3] == 0
+    assert torch.isnan(ce)
+    with debug_checks(True), pytest.raises(ValueError, match="temperature: every value"):
+        linear_logprob_entropy(x, w, torch.tensor([1, 2, 3, -100]), temperature=temperature)
+
+
+def test_logit_scale_is_read_from_megatrons_config():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountOps.count += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = TinyModelConfig(tied=False)
+    model = _hooked(cfg)
+    assert compat.logit_scale(compat.identity_scale_logits, model.config) == 1.0
+    assert compat.logit_scale(lambda t: t * 0.25, model.config) == 0.25  # other callables: probed
+    with pytest.raises(ValueError, match="not a constant factor"):
+        compat.logit_scale(lambda t: t**2, model.config)
+    if not hasattr(model, "_scale_logits") or not hasattr(model.config, "mup_output_mult"):
+        pytest.skip("this Megatron Core release has no MuP logit scaling")
+    model.config.use_mup, model.config.mup_output_mult = True, 0.37
+    try:
+        with CountOps():
+            scale = compat.logit_scale(model._scale_logits, model.config)
+        assert scale == 0.37 and CountOps.count == 0  # read, not probed
+    finally:
+        model.config.use_mup, model.config.mup_output_mult = False, 1.0
