@@ -22,6 +22,15 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
+def backend(bn: int, bv: int, bk: int, nw: int, ns: int, tma: bool = True) -> tf.TritonFused:
+    """The Triton backend with these tiles for both kernels (a sweep's candidate)."""
+    tile = tf.Tile(bn, bv, bk, nw, ns)
+    return tf.TritonFused(tf.Tiles(f"{bn}x{bv}x{bk}/{nw}w/{ns}s", (0, 0), tile, tile, tma))
+
+
+DEFAULT = tf.TritonFused(tf.TILES[0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", type=int, nargs=3, default=[16384, 4096, 151936])
@@ -47,26 +56,26 @@ def main() -> None:
         profile_ce(x, w, label, flop, ceiling)
         return
     print("\nforward stats kernel: BLOCK_N BLOCK_V BLOCK_K warps stages min_splits -> ms, % of ceiling")
-    base_fwd, base_splits = dict(tf._FWD), tf._MIN_SPLITS
+    base_splits = tf._MIN_SPLITS
     best = None
     for bn, bv, bk, nw, ns in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4),
                                (128, 128, 64, 4, 4), (256, 128, 64, 8, 3), (128, 128, 128, 8, 3),
                                (64, 256, 64, 4, 4)]:
         for ms_ in (8, 16, 32):
-            tf._FWD = dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+            candidate = backend(bn, bv, bk, nw, ns)
             tf._MIN_SPLITS = ms_
             try:
-                t = bench(lambda: tf.TritonFused.local_stats(x, w, coef, label, 0))
+                t = bench(lambda: candidate.local_stats(x, w, coef, label, 0))
             except Exception as e:  # noqa: BLE001 - out of resources etc.
                 print(f"  {bn} {bv} {bk} {nw} {ns} {ms_}: {type(e).__name__}")
                 break
             print(f"  {bn} {bv} {bk} {nw} {ns} {ms_}: {t:.1f} ms, {flop / t / 1e9 / ceiling:.0%}", flush=True)
             if best is None or t < best[0]:
-                best = (t, dict(tf._FWD), ms_)
+                best = (t, candidate.tiles.name, ms_)
     print(f"best forward: {best}")
-    tf._FWD, tf._MIN_SPLITS = base_fwd, base_splits
+    tf._MIN_SPLITS = base_splits
 
-    stats = tf.TritonFused.local_stats(x, w, coef, label, 0)
+    stats = DEFAULT.local_stats(x, w, coef, label, 0)
     m, log_s = stats.max, torch.log(stats.sumexp)
     ent = torch.rand(n, device="cuda")
     g1 = torch.randn(n, device="cuda")
@@ -124,17 +133,17 @@ def compare_tma(x, w, coef, label, flop, ceiling) -> None:
     """Forward and logit-gradient kernels with tensor-descriptor (TMA) vs pointer tile loads."""
     n, h = x.shape
     v = w.shape[0]
-    base = (dict(tf._FWD), dict(tf._BWD), tf._MIN_SPLITS, tf._USE_TMA)
+    base_splits = tf._MIN_SPLITS
     ref = None
     print("\nforward: BLOCK_N BLOCK_V BLOCK_K warps stages splits tma -> ms, % of ceiling")
     for bn, bv, bk, nw, ns in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 256, 128, 8, 2)]:
         for splits in (4, 8):
             for tma in (False, True):
-                tf._FWD = dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
-                tf._MIN_SPLITS, tf._USE_TMA = splits, tma
+                candidate = backend(bn, bv, bk, nw, ns, tma)
+                tf._MIN_SPLITS = splits
                 try:
-                    st = tf.TritonFused.local_stats(x, w, coef, label, 0)
-                    t = bench(lambda: tf.TritonFused.local_stats(x, w, coef, label, 0))
+                    st = candidate.local_stats(x, w, coef, label, 0)
+                    t = bench(lambda: candidate.local_stats(x, w, coef, label, 0))
                 except Exception as e:  # noqa: BLE001
                     print(f"  {bn} {bv} {bk} {nw} {ns} {splits} {tma}: {type(e).__name__}: {str(e)[:80]}")
                     continue
@@ -142,8 +151,8 @@ def compare_tma(x, w, coef, label, flop, ceiling) -> None:
                 ref = lse if ref is None else ref
                 print(f"  {bn} {bv} {bk} {nw} {ns} {splits} {tma}: {t:.1f} ms, {flop / t / 1e9 / ceiling:.0%}"
                       f" (max |lse diff| {(lse - ref).abs().max().item():.1e})", flush=True)
-    tf._FWD, tf._BWD, tf._MIN_SPLITS, tf._USE_TMA = base
-    stats = tf.TritonFused.local_stats(x, w, coef, label, 0)
+    tf._MIN_SPLITS = base_splits
+    stats = DEFAULT.local_stats(x, w, coef, label, 0)
     m, log_s = stats.max, torch.log(stats.sumexp)
     ent = torch.rand(n, device="cuda")
     g1, g2 = torch.randn(n, device="cuda"), torch.randn(n, device="cuda")
@@ -153,8 +162,7 @@ def compare_tma(x, w, coef, label, flop, ceiling) -> None:
     for bn, bv, bk, nw, ns in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4)]:
         cfg = dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
         for tma in (False, True):
-            tf._USE_TMA = tma
-            xa, wa, used = tf._operands(x, w, cfg)
+            xa, wa, used = tf._operands(x, w, tf.Tile(bn, bv, bk, nw, ns), tma)
 
             def dlogits():
                 for v0 in range(0, v, vc):
@@ -168,7 +176,6 @@ def compare_tma(x, w, coef, label, flop, ceiling) -> None:
                 print(f"  {bn} {bv} {bk} {nw} {ns} {used}: {t:.1f} ms ({flop / t / 1e9 / ceiling:.0%})", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"  {bn} {bv} {bk} {nw} {ns} {tma}: {type(e).__name__}: {str(e)[:80]}")
-    tf._USE_TMA = base[3]
 
 
 def profile_ce(x, w, label, flop, ceiling) -> None:
@@ -225,8 +232,8 @@ def _ce_parts(x, w, label, c, flop, ceiling) -> None:
     mm_f32(x[:c], w.t(), out=z)
     parts = {
         "logits mm (fp32 out)": lambda: mm_f32(x[:c], w.t(), out=z),
-        "row stats": lambda: tf.TritonFused.ce_row_stats(z, coef, ll),
-        "row grad": lambda: tf.TritonFused.ce_row_grad(z, coef, ll, m, log_s, coef, dz),
+        "row stats": lambda: DEFAULT.ce_row_stats(z, coef, ll),
+        "row grad": lambda: DEFAULT.ce_row_grad(z, coef, ll, m, log_s, coef, dz),
         "dX mm (fp32 out)": lambda: mm_f32(dz, w, out=dx32),
         "dW addmm (fp32 acc)": lambda: addmm_f32_(dw32, dz.t(), x[:c]),
         "dW addmm_ (bf16 acc, rounds per chunk)": lambda: dwb.addmm_(dz.t(), x[:c]),

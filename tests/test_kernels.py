@@ -289,3 +289,47 @@ def test_vocab_parallel_matches_unsplit(world):
         for (dtype_name, *layout), (lp, ent, dx, dw) in rank_rows:
             grad_tol = {"float32": 1e-5, "bfloat16": 3e-2}[dtype_name]
             assert max(lp, ent) < 1e-5 and max(dx, dw) < grad_tol, (dtype_name, layout, lp, ent, dx, dw)
+
+
+# --------------------------------------------------------------------------- backend selection
+
+
+@pytest.mark.parametrize(
+    "capability, shared_memory, family",
+    [
+        ((9, 0), 227 * 1024, "sm_90"),  # H100 / H200
+        ((10, 0), 227 * 1024, "sm_90"),  # B200
+        ((8, 0), 163 * 1024, "sm_80"),  # A100
+        ((8, 6), 99 * 1024, "sm_86"),  # RTX 30xx / A10
+        ((8, 9), 99 * 1024, "sm_86"),  # L4 / L40 / RTX 40xx
+        ((12, 0), 99 * 1024, "sm_86"),  # RTX 50xx
+        ((7, 5), 64 * 1024, None),  # T4: no bf16 tensor cores
+        ((8, 6), 48 * 1024, None),  # nothing fits: the torch backend
+    ],
+)
+def test_triton_tiles_are_chosen_by_compute_capability_and_shared_memory(capability, shared_memory, family):
+    from mcore_hooks.kernels import triton_fused
+
+    tiles = triton_fused.tiles_for(capability, shared_memory)
+    assert (tiles.name if tiles else None) == family
+    if tiles is not None:
+        assert tiles.shared_memory() <= shared_memory
+        assert not tiles.tma or capability >= (9, 0)  # the bulk copy engine is Hopper's
+
+
+def test_backend_in_use_is_visible(caplog, monkeypatch):
+    import logging
+
+    from mcore_hooks import kernels
+    from mcore_hooks.kernels import backend_for, triton_fused
+
+    assert backend_for(torch.float32, "cpu") == "torch"
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        backend_for(torch.float32, "cpu", "fast")
+    kernels._log_choice.cache_clear()
+    with caplog.at_level(logging.INFO, logger="mcore_hooks.kernels"):
+        linear_logprob_entropy(torch.randn(2, 4), torch.randn(3, 4))
+    assert "backend='auto' runs torch for torch.float32 inputs on cpu" in caplog.text
+    monkeypatch.setattr(triton_fused, "device_tiles", lambda device: None)  # a GPU nothing fits
+    with pytest.raises(ValueError, match="backend: 'triton' needs bf16/fp16 inputs on a CUDA GPU"):
+        backend_for(torch.bfloat16, "cpu", "triton")

@@ -15,7 +15,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from mcore_hooks.kernels import VocabParallel, linear_cross_entropy, linear_logprob_entropy  # noqa: E402
+from mcore_hooks.kernels import VocabParallel, linear_cross_entropy, linear_logprob_entropy, triton_fused  # noqa: E402
 from mcore_hooks.testing import run_on_ranks  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -148,11 +148,32 @@ def test_backend_choice():
     w = torch.randn(16, 8, device=DEVICE)
     with pytest.raises(ValueError, match="backend: 'triton' needs bf16/fp16"):
         linear_logprob_entropy(x, w, backend="triton")
-    from mcore_hooks.kernels import _select_backend
+    from mcore_hooks.kernels import backend_for
 
-    assert _select_backend("auto", x.half()).name == ("triton" if ON_GPU else "torch")
-    assert _select_backend("auto", x).name == "torch"  # fp32: exact torch matmuls
-    assert _select_backend("torch", x.half()).name == "torch"
+    assert backend_for(torch.float16, DEVICE).startswith("triton (sm_" if ON_GPU else "torch")
+    assert backend_for(torch.float32, DEVICE) == "torch"  # fp32: exact torch matmuls
+    assert backend_for(torch.float16, DEVICE, "torch") == "torch"
+
+
+@pytest.mark.parametrize("family", [t.name for t in triton_fused.TILES])
+def test_every_gpu_familys_tiles_compute_the_same(family, monkeypatch):
+    """Each family's tile shapes (forced here, whatever the GPU) against float64: the smaller
+    tiles chosen for sm_80 and sm_86/89 are checked on any GPU this runs on (and under the
+    interpreter), their fit in those GPUs' shared memory by the selection test."""
+    tiles = next(t for t in triton_fused.TILES if t.name == family)
+    monkeypatch.setattr(triton_fused, "device_tiles", lambda device: tiles)
+    n, h, v = 37, 72, 301  # nothing divisible by the tiles
+    g = torch.Generator().manual_seed(7)
+    dtype = DTYPES[-1]
+    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
+    labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    temperature = (torch.rand(n, generator=g) + 0.3).to(DEVICE)
+    g1, g2 = torch.randn(n, generator=g).to(DEVICE), torch.randn(n, generator=g).to(DEVICE)
+    got = _run("triton", x, w, labels, temperature, g1, g2)
+    ref = _reference(x, w, labels, temperature, g1, g2)
+    assert close(got[0], ref[0], 2e-6) and close(got[1], ref[1], 2e-6)
+    assert rel(got[2], ref[2]) < GRAD_TOL[dtype] and rel(got[3], ref[3]) < GRAD_TOL[dtype]
 
 
 class _TpCase(NamedTuple):
@@ -273,7 +294,7 @@ def test_misaligned_views_fall_back_to_pointer_loads():
     backing = (torch.randn(v * h + 1, generator=g) / 8).to(DEVICE, dtype)
     w = backing[1:].view(v, h)  # 2-byte offset
     x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
-    assert triton_fused._operands(x, w, triton_fused._FWD)[2] is False
+    assert triton_fused._operands(x, w, triton_fused.TILES[0].fwd, True)[2] is False
     labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
     ones = torch.ones(n, device=DEVICE)
     tri = _run("triton", x, w, labels, 1.0, ones, ones)

@@ -11,6 +11,8 @@ logits in fp32 and satisfy the same tests (values to fp32 rounding; gradients to
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from typing import NamedTuple, Optional, Union
 
@@ -24,10 +26,12 @@ from .torch_chunked import TorchChunked
 
 __all__ = [
     "VocabParallel", "LogprobEntropy", "linear_logprob_entropy", "linear_cross_entropy", "BACKENDS",
-    "default_chunk_size",
+    "backend_for", "default_chunk_size",
 ]
 
 BACKENDS = ("auto", "torch", "triton")
+
+_log = logging.getLogger(__name__)
 
 # Elements of one chunk's fp32 logits [chunk, V_local] the torch backend aims for (256 MiB).
 _CHUNK_ELEMENTS = 1 << 26
@@ -231,21 +235,54 @@ def _reduced_chunk_size(backend: Backend, n: int, v_local: int, itemsize: int) -
 
 
 def _select_backend(name: str, hidden: torch.Tensor) -> Backend:
-    """``auto``: Triton for bf16/fp16 on CUDA when Triton imports, else the torch backend."""
+    """``auto``: Triton for bf16/fp16 on a CUDA GPU it has tiles for, else the torch backend."""
     from . import triton_fused
 
     low_precision = hidden.dtype in (torch.bfloat16, torch.float16)
+    tiles = triton_fused.device_tiles(hidden.device)
     if name == "triton":
-        if not (triton_fused.available(hidden.device) and low_precision):
-            raise ValueError(
-                "backend: 'triton' needs bf16/fp16 inputs on a CUDA device with Triton installed, "
-                f"got {hidden.dtype} on {hidden.device}"
-                + ("" if triton_fused.triton is not None else " (triton is not importable)")
+        if tiles is None or not low_precision:
+            why = (
+                "triton is not importable" if triton_fused.triton is None
+                else "not a CUDA device" if hidden.device.type != "cuda"
+                else "no tile configuration fits this GPU (compute capability 8.0+ and 64 KiB of "
+                "shared memory per block)" if tiles is None
+                else f"{hidden.dtype} inputs"
             )
-        return triton_fused.TritonFused()
-    if name == "auto" and low_precision and hidden.is_cuda and triton_fused.available(hidden.device):
-        return triton_fused.TritonFused()
-    return TorchChunked()
+            raise ValueError(
+                "backend: 'triton' needs bf16/fp16 inputs on a CUDA GPU of compute capability "
+                f"8.0+ with Triton installed, got {hidden.dtype} on {hidden.device} ({why}); "
+                "backend='auto' falls back to 'torch'"
+            )
+        backend: Backend = triton_fused.TritonFused(tiles)
+    elif name == "auto" and low_precision and hidden.is_cuda and tiles is not None:
+        backend = triton_fused.TritonFused(tiles)
+    else:
+        backend = TorchChunked()
+    _log_choice(name, backend_name(backend), hidden.dtype, hidden.device)
+    return backend
+
+
+def backend_name(backend: Backend) -> str:
+    """``"torch"``, or ``"triton"`` with its tiles' name (``"triton (sm_90 tiles)"``)."""
+    tiles = getattr(backend, "tiles", None)
+    return backend.name if tiles is None else f"{backend.name} ({tiles.name} tiles)"
+
+
+def backend_for(dtype: torch.dtype, device: Union[str, torch.device], backend: str = "auto") -> str:
+    """The backend the kernels run for inputs of ``dtype`` on ``device``: ``"torch"`` or
+    ``"triton (<family> tiles)"``; what ``backend="auto"`` picks on this GPU, for instance.
+    Raises ValueError where ``backend`` cannot run there. The first choice for each device and
+    dtype is also logged (logger ``mcore_hooks.kernels``, level INFO)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    probe = torch.empty(0, dtype=dtype, device=device)
+    return backend_name(_select_backend(backend, probe))
+
+
+@functools.lru_cache(maxsize=None)
+def _log_choice(asked: str, chosen: str, dtype: torch.dtype, device: torch.device) -> None:
+    _log.info("backend=%r runs %s for %s inputs on %s", asked, chosen, dtype, device)
 
 
 def _coefficients(temperature: Union[float, torch.Tensor], logit_scale: float, n: int,

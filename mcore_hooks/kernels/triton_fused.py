@@ -15,15 +15,20 @@ then forms ``dW[chunk] = dz.T @ X`` in one call (a single rounding, K = N) and a
 output, which is written only at the end: the backward's only extra memory is the fp32 dX
 accumulator. No atomics: results are deterministic.
 
-bf16/fp16 inputs only (fp32 inputs use the torch backend, whose fp32 matmuls are exact).
+Tile shapes depend on the GPU: :data:`TILES` holds one set per family (sm_90, sm_80, sm_86/89),
+chosen by compute capability and the per-block shared memory the device offers
+(:func:`device_tiles`); where none fits, or below compute capability 8.0, ``backend="auto"`` takes
+the torch backend. bf16/fp16 inputs only (fp32 inputs use the torch backend, whose fp32 matmuls
+are exact).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -42,19 +47,82 @@ except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
 
-def available(device: torch.device) -> bool:
-    """Whether this backend can run on ``device`` (CUDA, or the Triton interpreter for tests)."""
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """One kernel's tile shape: ``[block_n tokens, block_v vocab]`` logits, ``block_k`` of the
+    hidden size per step, ``num_stages`` of operand tiles in flight."""
+
+    block_n: int
+    block_v: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def launch(self) -> dict:
+        return dict(BLOCK_N=self.block_n, BLOCK_V=self.block_v, BLOCK_K=self.block_k,
+                    num_warps=self.num_warps, num_stages=self.num_stages)
+
+    def shared_memory(self, itemsize: int = 2) -> int:
+        """Bytes of shared memory the kernel needs: the pipelined operand tiles, or the fp32
+        logits tile when the epilogue moves it through shared memory (they are not live at once)."""
+        operands = self.num_stages * (self.block_n + self.block_v) * self.block_k * itemsize
+        return max(operands, self.block_n * self.block_v * 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The forward (statistics) and logit-gradient kernels' tiles for one GPU family, and whether
+    operands load through tensor descriptors (the bulk copy engine, compute capability 9.0+)."""
+
+    name: str
+    min_capability: tuple[int, int]
+    fwd: Tile
+    bwd: Tile
+    tma: bool
+
+    def shared_memory(self) -> int:
+        return max(self.fwd.shared_memory(), self.bwd.shared_memory())
+
+
+# Largest first; a device takes the first its compute capability and per-block shared memory
+# (opt-in limit) admit. sm_90's tiles are the fastest profiled on an H200 (wide vocab tiles
+# amortise the softmax epilogue; 8 warps drive Hopper's wgmma): 144 KiB, which also fits
+# sm_100's 227 KiB. sm_80 (A100, 163 KiB) keeps the wide tile with a shorter K step; sm_86 /
+# sm_89 / sm_120 (99-100 KiB) take 128 x 128. Older GPUs have no bf16 tensor cores: torch backend.
+TILES: tuple[Tiles, ...] = (
+    Tiles("sm_90", (9, 0), Tile(128, 256, 64, 8, 3), Tile(128, 256, 64, 8, 3), tma=True),
+    Tiles("sm_80", (8, 0), Tile(128, 256, 32, 8, 4), Tile(128, 256, 32, 8, 4), tma=False),
+    Tiles("sm_86", (8, 0), Tile(128, 128, 32, 8, 4), Tile(128, 128, 32, 8, 4), tma=False),
+)
+
+
+def tiles_for(capability: tuple[int, int], shared_memory_per_block: int) -> Optional[Tiles]:
+    """The tiles for a GPU of this compute capability and per-block shared memory, or None."""
+    for tiles in TILES:
+        if capability >= tiles.min_capability and tiles.shared_memory() <= shared_memory_per_block:
+            return tiles
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_tiles(index: int) -> Optional[Tiles]:
+    props = torch.cuda.get_device_properties(index)
+    limit = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
+    return tiles_for((props.major, props.minor), limit)
+
+
+def device_tiles(device: torch.device) -> Optional[Tiles]:
+    """The tiles this backend runs with on ``device``; None where it cannot run (no Triton, not
+    CUDA, or no configuration fits the GPU). Under Triton's interpreter (CPU tests): sm_90's."""
     if triton is None:
-        return False
+        return None
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return device.type == "cuda"
+        return TILES[0]
+    if device.type != "cuda":
+        return None
+    return _device_tiles(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# Tile shapes (fastest of those profiled on an H200): wide vocab tiles amortise the softmax
-# epilogue; 8 warps drive Hopper's wgmma.
-_FWD = dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3)
-_BWD = dict(BLOCK_N=128, BLOCK_V=256, BLOCK_K=64, num_warps=8, num_stages=3)
 # Backward gradient chunk [N, Vc] in the input dtype: at least this many bytes (Vc = H, the most
 # the dX output can hold, when that is wider). Measured on an H200 at 16384 x 4096 x 151936
 # (benchmarks/profile_kernels.py): Vc = 4096 lets cuBLAS accumulate dX at 91% of the matmul
@@ -65,7 +133,7 @@ _ROW_BLOCK = 4096
 # Fewest vocab splits of the forward grid: 4 measured fastest with TMA loads (32.9 ms, against
 # 35.1 at 8; benchmarks/profile_h200_tma.log).
 _MIN_SPLITS = 4
-# Load tiles through tensor descriptors (Hopper's bulk copy engine) instead of pointer loads:
+# Tensor descriptors (Hopper's bulk copy engine) instead of pointer loads, where the tiles allow:
 # forward 32.9 ms vs 37.1, logit-gradient kernel 33.3 ms vs 38.8 at 16384 x 4096 x 151936.
 _USE_TMA = True
 
@@ -245,11 +313,12 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _operands(x: torch.Tensor, weight: torch.Tensor, cfg: dict) -> tuple[Any, Any, bool]:
+def _operands(x: torch.Tensor, weight: torch.Tensor, tile: Tile, tma: bool) -> tuple[Any, Any, bool]:
     """Tensor descriptors for the copy engine where it can be used, else the tensors themselves."""
     # The copy engine needs 16-byte aligned base addresses and row strides.
     use = (
-        _USE_TMA
+        tma
+        and _USE_TMA
         and TensorDescriptor is not None
         and (x.shape[1] * x.element_size()) % 16 == 0
         and x.data_ptr() % 16 == 0
@@ -258,13 +327,15 @@ def _operands(x: torch.Tensor, weight: torch.Tensor, cfg: dict) -> tuple[Any, An
     if not use:
         return x, weight, False
     return (
-        TensorDescriptor.from_tensor(x, [cfg["BLOCK_N"], cfg["BLOCK_K"]]),
-        TensorDescriptor.from_tensor(weight, [cfg["BLOCK_V"], cfg["BLOCK_K"]]),
+        TensorDescriptor.from_tensor(x, [tile.block_n, tile.block_k]),
+        TensorDescriptor.from_tensor(weight, [tile.block_v, tile.block_k]),
         True,
     )
 
 
 class TritonFused:
+    """The Triton backend with one GPU family's :class:`Tiles`."""
+
     name = "triton"
     # Reduced cross-entropy: bytes of one token chunk's logit gradient plus half a chunk of fp32
     # logits. Larger chunks mean fewer passes of cuBLAS over the fp32 dW accumulator (V x H x 8
@@ -272,13 +343,15 @@ class TritonFused:
     # 4096-token chunks, 85% with 2048 (benchmarks/profile_h200_ce.log).
     ce_chunk_bytes = 5 << 29
 
-    @staticmethod
-    def local_stats(x, weight, coef, local_label, chunk_size) -> LocalStats:
+    def __init__(self, tiles: Tiles = TILES[0]) -> None:
+        self.tiles = tiles
+
+    def local_stats(self, x, weight, coef, local_label, chunk_size) -> LocalStats:
         n, h = x.shape
         v = weight.shape[0]
-        cfg = _FWD
-        row_blocks = triton.cdiv(n, cfg["BLOCK_N"])
-        vtiles = triton.cdiv(v, cfg["BLOCK_V"])
+        tile = self.tiles.fwd
+        row_blocks = triton.cdiv(n, tile.block_n)
+        vtiles = triton.cdiv(v, tile.block_v)
         # Each split walks a contiguous vocab range. At least _MIN_SPLITS of them, so programs
         # running together share row blocks; more when there are few row blocks, to fill the SMs.
         want = max(_MIN_SPLITS, math.ceil(2 * _num_sms(x.device.index or 0) / row_blocks))
@@ -287,28 +360,28 @@ class TritonFused:
         x, weight = x.contiguous(), weight.contiguous()
         coef, local_label = coef.contiguous(), local_label.contiguous()
         parts = torch.empty((3, splits, n), dtype=torch.float32, device=x.device)
-        xa, wa, tma = _operands(x, weight, cfg)
+        xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
         _stats_fwd_kernel[(row_blocks * splits,)](
             xa, wa, coef, parts[0], parts[1], parts[2],
             n, v, h, x.stride(0), weight.stride(0), tiles_per_split, splits,
-            EVEN_K=h % cfg["BLOCK_K"] == 0, USE_TMA=tma, **cfg,
+            EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch(),
         )
         target = torch.empty((1, n), dtype=torch.float32, device=x.device)
         _target_logit_kernel[(n,)](x, weight, coef, local_label, target, h, x.stride(0),
                                    weight.stride(0), BLOCK_H=1024, num_warps=4)
         return merge_partials(LocalStats(parts[0], parts[1], parts[2], target))
 
-    @staticmethod
-    def grads(x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w):
+    def grads(self, x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w):
         n, h = x.shape
         v = weight.shape[0]
-        cfg = _BWD
+        tile = self.tiles.bwd
+        bv = tile.block_v
         x, weight = x.contiguous(), weight.contiguous()
-        vc = max(cfg["BLOCK_V"], (_BWD_CHUNK_BYTES // (max(n, 1) * x.element_size())) // cfg["BLOCK_V"] * cfg["BLOCK_V"])
-        in_dx = need_x and h // cfg["BLOCK_V"] * cfg["BLOCK_V"] >= vc
+        vc = max(bv, (_BWD_CHUNK_BYTES // (max(n, 1) * x.element_size())) // bv * bv)
+        in_dx = need_x and h // bv * bv >= vc
         if in_dx:  # the gradient chunk lives in dX's own (not yet written) output: no extra memory
-            vc = h // cfg["BLOCK_V"] * cfg["BLOCK_V"]
-        vc = min(vc, triton.cdiv(v, cfg["BLOCK_V"]) * cfg["BLOCK_V"])
+            vc = h // bv * bv
+        vc = min(vc, triton.cdiv(v, bv) * bv)
         dx_out = torch.empty((n, h), dtype=x.dtype, device=x.device) if need_x else None
         if in_dx:
             dz = dx_out.view(-1)[: n * vc].view(n, vc)
@@ -316,14 +389,14 @@ class TritonFused:
             dz = torch.empty((n, vc), dtype=x.dtype, device=x.device)
         dx = torch.zeros((n, h), dtype=torch.float32, device=x.device) if need_x else None
         dw = torch.empty_like(weight) if need_w else None
-        row_blocks = triton.cdiv(n, cfg["BLOCK_N"])
-        xa, wa, tma = _operands(x, weight, cfg)
+        row_blocks = triton.cdiv(n, tile.block_n)
+        xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
         for v0 in range(0, v, vc):
             width = min(vc, v - v0)
-            _dlogits_kernel[(triton.cdiv(width, cfg["BLOCK_V"]), row_blocks)](
+            _dlogits_kernel[(triton.cdiv(width, bv), row_blocks)](
                 xa, wa, coef, local_label, m, log_s, entropy, g1, g2, dz,
                 n, v, h, v0, width, x.stride(0), weight.stride(0), dz.stride(0),
-                EVEN_K=h % cfg["BLOCK_K"] == 0, USE_TMA=tma, **cfg,
+                EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch(),
             )
             chunk = dz[:, :width]
             if need_w:
