@@ -1,11 +1,25 @@
-"""``mcore-hooks verify``: the bundled processors against the stock model, as a table."""
+"""``mcore-hooks``: the command line. ``mcore-hooks verify`` checks the bundled processors against
+stock Megatron Core on tiny models and prints a table (or JSON)."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import os
 import sys
-import warnings
 from typing import Optional, Sequence
+
+DESCRIPTION = """\
+mcore-hooks gives Megatron Core language models (GPTModel, HybridModel, MambaModel) upstream's
+keyword-only output_processor hook on every supported release, with fused processors for
+selected-token log-probabilities, entropy and linear cross-entropy that never build
+[tokens, vocab] logits.
+
+`mcore-hooks verify` builds tiny models of each class the installed Megatron Core has, runs every
+bundled processor through the hook and the stock path side by side, and compares values and
+gradients: float32 models against stock (bitwise or to float32 rounding), bf16 models against
+float64 (at least as accurate as stock). It exits with status 1 on any mismatch.
+"""
 
 
 def _verify_rank(device: str, model_classes: Optional[list]) -> list:
@@ -14,71 +28,94 @@ def _verify_rank(device: str, model_classes: Optional[list]) -> list:
     return run_checks(device=device, model_classes=model_classes)
 
 
-def verify(argv: Sequence[str]) -> int:
+def _megatron_core_version() -> str:
+    # From the installed distribution: Megatron's own package_info appends the git commit of
+    # whatever repository the process runs in.
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        import megatron.core
+
+        return megatron.core.__version__
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mcore-hooks verify",
-        description="Build a tiny model of each supported class on the installed Megatron Core, run "
-        "every bundled processor through the hook and the stock path, and compare values and "
-        "gradients. Exit status 1 on any mismatch.",
+        prog="mcore-hooks", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument(
+    commands = parser.add_subparsers(dest="command", metavar="command", required=True)
+    verify = commands.add_parser(
+        "verify",
+        help="check every bundled processor against stock Megatron Core on tiny models",
+        description="Build a tiny model of each supported class on the installed Megatron Core, "
+        "run every bundled processor through the hook and the stock path, and compare values and "
+        "gradients (float32 models against stock, bf16 models against float64). Exit status 1 on "
+        "any mismatch.",
+    )
+    verify.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    verify.add_argument(
         "--tp", type=int, nargs="+", default=[1, 2], metavar="N",
         help="tensor-parallel sizes to check; N > 1 spawns N ranks (default: 1 2)",
     )
-    parser.add_argument(
+    verify.add_argument(
         "--model", nargs="+", default=None, choices=["gpt", "hybrid", "mamba"],
         help="model classes to check (default: every class the installed release has)",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    args = parser.parse_args(argv)
+    verify.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    return parser
+
+
+def verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, str]:
+    """Run the checks; returns the exit status and the report to print."""
     if any(n < 1 for n in args.tp):
         parser.error("--tp: expected positive integers")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
-        parser.error(f"--device: expected cpu or cuda, got {args.device!r}")
-    warnings.filterwarnings("ignore")  # Megatron's import-time notes about TE/Apex drown the table
+        parser.error(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
+    from ._quiet import quiet_megatron  # before anything imports Megatron Core
 
-    import megatron.core
-    import torch
+    with quiet_megatron():
+        import torch
 
-    if args.device != "cpu" and not torch.cuda.is_available():
-        parser.error(f"--device {args.device}: no CUDA device is available")
+        if args.device != "cpu" and not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: no CUDA device is available")
+        from .testing import available_model_classes, model_parallel, run_on_ranks
+        from .verify import format_table, merge_ranks, to_json
 
-    from .testing import available_model_classes, model_parallel, run_on_ranks
-    from .verify import format_table, merge_ranks, to_json
-
-    classes = args.model or list(available_model_classes())
-    missing = sorted(set(classes) - set(available_model_classes()))
-    if missing:
-        parser.error(f"--model: not in Megatron Core {megatron.core.__version__}: {', '.join(missing)}")
-    results = []
-    for tp in args.tp:
-        if tp == 1:
-            with model_parallel(tp=1):
-                results += _verify_rank(args.device, classes)
-        else:
-            results += merge_ranks(run_on_ranks(_verify_rank, tp, args.device, classes))
-    ok = all(r.passed for r in results)
-    meta = dict(megatron_core=megatron.core.__version__, torch=torch.__version__, device=args.device)
+        version = _megatron_core_version()
+        classes = args.model or list(available_model_classes())
+        missing = sorted(set(classes) - set(available_model_classes()))
+        if missing:
+            parser.error(f"--model: not in Megatron Core {version}: {', '.join(missing)}")
+        results = []
+        for tp in args.tp:
+            if tp == 1:
+                with model_parallel(tp=1):
+                    results += _verify_rank(args.device, classes)
+            else:
+                results += merge_ranks(run_on_ranks(_verify_rank, tp, args.device, classes))
+    status = 0 if all(r.passed for r in results) else 1
+    meta = dict(megatron_core=version, torch=torch.__version__, device=args.device)
     if args.json:
-        print(to_json(results, **meta))
-    else:
-        print(f"mcore-hooks verify: Megatron Core {meta['megatron_core']}, torch {meta['torch']}, "
-              f"device {args.device}")
-        print(format_table(results))
-        print(f"{sum(r.passed for r in results)} passed, {sum(not r.passed for r in results)} failed")
-    return 0 if ok else 1
+        return status, to_json(results, **meta)
+    return status, "\n".join([
+        f"mcore-hooks verify: Megatron Core {version}, torch {meta['torch']}, device {args.device}",
+        format_table(results),
+        f"{sum(r.passed for r in results)} passed, {sum(not r.passed for r in results)} failed",
+    ])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: mcore-hooks verify [--device cpu|cuda] [--tp N ...] [--model ...] [--json]")
-        return 0 if argv else 2
-    if argv[0] != "verify":
-        print(f"mcore-hooks: unknown command {argv[0]!r}; the command is `verify`", file=sys.stderr)
-        return 2
-    return verify(argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    status, report = verify(args, parser)
+    try:
+        print(report)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`mcore-hooks verify --json | head`): stop quietly, as Unix tools
+        # do, keeping the checks' status; stdout goes to devnull so the final flush cannot raise.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return status
 
 
 if __name__ == "__main__":

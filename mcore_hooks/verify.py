@@ -1,10 +1,21 @@
 """The equivalence check: every bundled processor, through the hook, against the stock model.
 
-For each supported model class of the installed Megatron Core, each parallel layout and tied /
-untied output weights, two tiny models with identical weights are built: the stock class and the
-hooked class. Each check runs the stock forward and the hooked forward with the check's processor,
-compares the outputs and, after the same weighted-sum backward, every parameter's gradient. Run by
-``mcore-hooks verify``; usable from tests as :func:`run_checks`.
+Two kinds of check, for each supported model class of the installed Megatron Core, each parallel
+layout and tied / untied output weights:
+
+* **float32 models**, against the stock model: two tiny models with identical weights, the stock
+  class and the hooked class. The stock forward and the hooked forward with the check's processor
+  are compared, and after the same weighted-sum backward so is every parameter's gradient:
+  bitwise where the processor computes what stock computes, within float32 rounding where it
+  sums in another order.
+* **bf16 models**, against float64: the processor runs through the hook (the default backend:
+  Triton on a CUDA GPU that has tiles for it), and so does the stock post-process (output layer,
+  bf16 logits, Megatron's loss or an fp32 ``log_softmax``) on the same hidden states; both are
+  compared with a float64 computation from those hidden states and the output weight. The rule:
+  at least as accurate as stock, for the values and for the gradients of the hidden states and
+  the output weight.
+
+Run by ``mcore-hooks verify``; usable from tests as :func:`run_checks`.
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from . import compat
-from .postprocess import DefaultProcessor, hooked_class
+from .postprocess import DefaultProcessor, PostprocessContext, hooked_class
 from .processors import (
     EntropyProcessor,
     FusedLogprobProcessor,
@@ -33,12 +44,16 @@ from .testing import (
     tiny_batch,
 )
 
-__all__ = ["CheckResult", "ProcessorCheck", "PROCESSOR_CHECKS", "run_checks", "format_table"]
+__all__ = [
+    "CheckResult", "ProcessorCheck", "PrecisionCheck", "PROCESSOR_CHECKS", "PRECISION_CHECKS",
+    "run_checks", "format_table",
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class ProcessorCheck:
-    """One processor to verify: how to make it, what stock computes for it, how close it must be.
+    """One processor to verify on float32 models: how to make it, what stock computes for it, how
+    close it must be.
 
     ``tolerance`` is the largest allowed relative error of values and gradients; 0 means bitwise.
     """
@@ -70,18 +85,13 @@ def _stock_logprob_entropy(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return torch.stack([_stock_logprob(model, batch), _stock_entropy(model, batch)])
 
 
-def _stock_masked_sum(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    loss = model(**batch)
-    mask = batch.get("loss_mask")
+def _masked_sum(loss: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     return (loss * mask).sum() if mask is not None else loss.sum()
 
 
-def _stock_masked_mean(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    loss = model(**batch)
-    mask = batch.get("loss_mask")
-    if mask is None:
-        return loss.mean()
-    return (loss * mask).sum() / mask.sum().clamp(min=1.0)
+def _masked_mean(loss: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    # Megatron's masked mean (sum / count; the tiny batches always count some tokens)
+    return (loss * mask).sum() / mask.sum() if mask is not None else loss.mean()
 
 
 # fp32 tolerance for the fused processors: they sum in a different order than stock.
@@ -100,17 +110,93 @@ PROCESSOR_CHECKS: tuple[ProcessorCheck, ...] = (
     ProcessorCheck("LinearCEProcessor", LinearCEProcessor, _stock, True, _FP32),
     ProcessorCheck(
         "LinearCEProcessor, sum", lambda: LinearCEProcessor(reduction="sum"),
-        _stock_masked_sum, True, _FP32,
+        lambda m, b: _masked_sum(m(**b), b.get("loss_mask")), True, _FP32,
     ),
     ProcessorCheck(
         "LinearCEProcessor, mean", lambda: LinearCEProcessor(reduction="mean"),
-        _stock_masked_mean, True, _FP32,
+        lambda m, b: _masked_mean(m(**b), b.get("loss_mask")), True, _FP32,
+    ),
+)
+
+
+# --------------------------------------------------------------------------- bf16 vs float64
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionCheck:
+    """One processor to verify on bf16 models against float64, beside the stock post-process.
+
+    ``stock(ctx)``: what stock computes from the hook's keywords through its own output layer
+    (bf16 logits); ``exact(logp, ctx)``: the same from float64 log-probabilities over the whole
+    vocabulary (``[s, b, V]``); both return the processor's output layout (``[b, s]``, stacked
+    pairs, or a scalar).
+    """
+
+    name: str
+    make: Callable[[], Callable[..., Any]]
+    stock: Callable[[PostprocessContext], torch.Tensor]
+    exact: Callable[[torch.Tensor, PostprocessContext], torch.Tensor]
+
+
+def _stock_logits(ctx: PostprocessContext, gather: bool) -> torch.Tensor:
+    logits, _ = ctx.output_layer(ctx.hidden_states, weight=ctx.output_weight, runtime_gather_output=gather)
+    return ctx.scale_logits(logits)
+
+
+def _stock_logprob_bs(ctx: PostprocessContext) -> torch.Tensor:
+    # the stock loss: Megatron's vocab-parallel cross-entropy of the bf16 logits
+    return -ctx.compute_language_model_loss(ctx.labels, _stock_logits(ctx, gather=False))
+
+
+def _stock_entropy_bs(ctx: PostprocessContext) -> torch.Tensor:
+    # the stock RL path: gathered bf16 logits, an fp32 log-softmax
+    logp = torch.log_softmax(_stock_logits(ctx, gather=True).float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1).t()
+
+
+def _exact_logprob(logp: torch.Tensor, ctx: PostprocessContext) -> torch.Tensor:
+    return logp.gather(-1, ctx.labels.t().unsqueeze(-1)).squeeze(-1).t()
+
+
+def _exact_entropy(logp: torch.Tensor, ctx: PostprocessContext) -> torch.Tensor:
+    return -(logp.exp() * logp).sum(-1).t()
+
+
+def _mask(ctx: PostprocessContext) -> Optional[torch.Tensor]:
+    return None if ctx.loss_mask is None else ctx.loss_mask.to(torch.float64)
+
+
+PRECISION_CHECKS: tuple[PrecisionCheck, ...] = (
+    PrecisionCheck("FusedLogprobProcessor", FusedLogprobProcessor, _stock_logprob_bs, _exact_logprob),
+    PrecisionCheck("EntropyProcessor", EntropyProcessor, _stock_entropy_bs, _exact_entropy),
+    PrecisionCheck(
+        "LogprobEntropyProcessor", lambda: LogprobEntropyProcessor(as_tuple=True),
+        lambda c: torch.stack([_stock_logprob_bs(c), _stock_entropy_bs(c)]),
+        lambda p, c: torch.stack([_exact_logprob(p, c), _exact_entropy(p, c)]),
+    ),
+    PrecisionCheck(
+        "LinearCEProcessor", LinearCEProcessor,
+        lambda c: -_stock_logprob_bs(c), lambda p, c: -_exact_logprob(p, c),
+    ),
+    PrecisionCheck(
+        "LinearCEProcessor, sum", lambda: LinearCEProcessor(reduction="sum"),
+        lambda c: _masked_sum(-_stock_logprob_bs(c), c.loss_mask),
+        lambda p, c: _masked_sum(-_exact_logprob(p, c), _mask(c)),
+    ),
+    PrecisionCheck(
+        "LinearCEProcessor, mean", lambda: LinearCEProcessor(reduction="mean"),
+        lambda c: _masked_mean(-_stock_logprob_bs(c), c.loss_mask),
+        lambda p, c: _masked_mean(-_exact_logprob(p, c), _mask(c)),
     ),
 )
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckResult:
+    """One row of the table. ``value_rel`` / ``grad_rel`` are the processor's norm-wise relative
+    errors (against stock, or float64 for ``rule == "vs float64"``, where ``stock_value_rel`` /
+    ``stock_grad_rel`` are stock's own errors against float64)."""
+
     model: str
     layout: str
     processor: str
@@ -121,6 +207,9 @@ class CheckResult:
     tolerance: float
     passed: bool
     error: str = ""
+    rule: str = "vs stock"
+    stock_value_rel: float = math.nan
+    stock_grad_rel: float = math.nan
 
 
 def _errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -135,21 +224,89 @@ def _errors(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return diff.abs().max().item(), err / scale if scale > 0 else err
 
 
+def _weighting(shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
+    # A fixed random weighting makes every output element matter to the gradients.
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=g, dtype=torch.float32).to(device)
+
+
+def _as_tensor(out: Any) -> torch.Tensor:
+    return torch.stack([o.float() for o in out]) if isinstance(out, (tuple, list)) else out
+
+
 def _run(model: torch.nn.Module, forward: Callable[[], Any], seed: int):
     """Forward, then backward of a fixed random weighting; returns output and every gradient."""
     model.zero_grad(set_to_none=True)
-    out = forward()
-    if isinstance(out, (tuple, list)):
-        out = torch.stack([o.float() for o in out])
-    # A fixed random weighting makes every output element matter to the gradients.
-    g = torch.Generator().manual_seed(seed)
-    w = torch.rand(out.shape, generator=g, dtype=torch.float32).to(out.device)
-    (out.float() * w).sum().backward()
+    out = _as_tensor(forward())
+    (out.float() * _weighting(out.shape, seed, out.device)).sum().backward()
     grads = {
         n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
         for n, p in model.named_parameters()
     }
     return out.detach(), grads
+
+
+def _all_gather(t: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    if compat.group_rank_size(group)[1] == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(compat.group_rank_size(group)[1])]
+    torch.distributed.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+class _Capture:
+    def __init__(self, inner: Callable[..., Any]) -> None:
+        self.inner, self.kwargs = inner, None
+
+    def __call__(self, **kwargs: Any) -> Any:
+        self.kwargs = kwargs
+        return self.inner(**kwargs)
+
+
+def _precision_errors(check: PrecisionCheck, model: torch.nn.Module, batch: dict, seed: int):
+    """The processor (through the hook) and stock against float64, values and the gradients of
+    the hidden states and the output weight: ((ours value, stock value), (ours grad, stock grad))
+    as norm-wise relative errors, plus the processor's max absolute value error."""
+    cap = _Capture(check.make())
+    through_hook = _as_tensor(model(**batch, output_processor=cap)).detach()
+    # Gradients of the hook's inputs: the same call on the same keywords, with the hidden states
+    # and the output weight as leaves (a tied weight's path through the embedding is left out).
+    leaves = PostprocessContext.from_kwargs(cap.kwargs)
+    hidden = leaves.hidden_states.detach().requires_grad_()
+    weight = leaves.weight.detach().requires_grad_()
+    kwargs = dict(cap.kwargs, hidden_states=hidden, output_weight=weight)
+    ctx = PostprocessContext.from_kwargs(kwargs)
+    ours = _as_tensor(check.make()(**kwargs))
+    if not torch.equal(ours.detach(), through_hook):
+        raise AssertionError(f"{check.name}: called directly, it differs from its result through the hook")
+    wt = _weighting(ours.shape, seed, ours.device)
+    ours_grads = torch.autograd.grad((ours.float() * wt).sum(), [hidden, weight])
+    stock = check.stock(ctx)
+    stock_grads = torch.autograd.grad((stock.float() * wt).sum(), [hidden, weight])
+
+    # float64 from the same bf16 hidden states and weight, over the whole vocabulary
+    rank = ctx.tp_rank
+    h = _all_gather(hidden.detach(), ctx.tp_group, 0) if ctx.sequence_parallel else hidden.detach()
+    h64 = h.double().requires_grad_()
+    w64 = _all_gather(weight.detach(), ctx.tp_group, 0).double().requires_grad_()
+    logp = torch.log_softmax((h64 @ w64.t()) * ctx.logit_scale(), dim=-1)
+    exact = check.exact(logp, ctx)
+    dh, dw = torch.autograd.grad((exact * wt.double()).sum(), [h64, w64])
+    if ctx.sequence_parallel:
+        dh = dh.chunk(ctx.tp_size)[rank]
+    dw = dw.chunk(ctx.tp_size)[rank]
+
+    def grad_rel(grads: Sequence[torch.Tensor]) -> float:
+        return max(_errors(grads[0], dh)[1], _errors(grads[1], dw)[1])
+
+    value = (_errors(ours, exact)[1], _errors(stock, exact)[1])
+    grad = (grad_rel(ours_grads), grad_rel(stock_grads))
+    return value, grad, _errors(ours, exact)[0], max(_errors(g, r)[0] for g, r in zip(ours_grads, (dh, dw)))
+
+
+# Gradients are bf16 matmul results in both paths, rounded to bf16 once: a relative error below
+# bf16's unit roundoff (2**-8) is the rounding of the result itself, whichever path is closer.
+_BF16_ROUNDING = 2.0**-8
 
 
 def _layouts(model_class: str, tp: int) -> Iterable[tuple[bool, bool, bool]]:
@@ -162,59 +319,92 @@ def _layouts(model_class: str, tp: int) -> Iterable[tuple[bool, bool, bool]]:
                 yield tied, sp, True
 
 
+def _layout_name(tp: int, sp: bool, packed: bool, tied: bool, dtype: str = "") -> str:
+    parts = [f"tp{tp}", dtype, "sp" if sp else "", "packed" if packed else "", "tied" if tied else "untied"]
+    return " ".join(p for p in parts if p)
+
+
 def run_checks(
     checks: Sequence[ProcessorCheck] = PROCESSOR_CHECKS,
     *,
     device: str = "cpu",
     model_classes: Optional[Sequence[str]] = None,
+    precision_checks: Sequence[PrecisionCheck] = PRECISION_CHECKS,
 ) -> list[CheckResult]:
-    """Run every check for every class and layout on this rank (model parallel already set up).
+    """Run every check for every class and layout on this rank (model parallel already set up):
+    ``checks`` on float32 models against stock, ``precision_checks`` on bf16 models against
+    float64.
 
     The tiny CPU models run inside a :func:`~mcore_hooks.testing.cpu_shims` scope: on return
     Megatron Core is exactly as it was found.
     """
     with cpu_shims():
-        return _run_checks(checks, device, model_classes)
+        results = []
+        for model_class in model_classes or available_model_classes():
+            results += _stock_checks(checks, device, model_class)
+            results += _precision_checks(precision_checks, device, model_class)
+        return results
 
 
-def _run_checks(checks, device, model_classes) -> list[CheckResult]:
+def _stock_checks(checks, device, model_class) -> list[CheckResult]:
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     results: list[CheckResult] = []
-    for model_class in model_classes or available_model_classes():
-        for tied, sp, packed in _layouts(model_class, tp):
-            cfg = TinyModelConfig(model_class=model_class, tied=tied, sequence_parallel=sp)
-            layout = f"tp{tp}{' sp' if sp else ''}{' packed' if packed else ''} {'tied' if tied else 'untied'}"
-            stock = build_tiny_model(cfg).to(device)
-            hooked = build_tiny_model(cfg, model_cls=hooked_class(stock_model_class(model_class))).to(device)
-            hooked.load_state_dict(stock.state_dict())
-            for i, check in enumerate(checks):
-                batch = tiny_batch(cfg, packed=packed, with_labels=check.with_labels, seed=i)
-                batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-                try:
-                    processor = check.make()
-                    ref, ref_grads = _run(stock, lambda: check.reference(stock, batch), seed=i)
-                    got, got_grads = _run(
-                        hooked, lambda: hooked(**batch, output_processor=processor), seed=i
-                    )
-                    v_abs, v_rel = _errors(got, ref)
-                    g_abs = g_rel = 0.0
-                    for name, rg in ref_grads.items():
-                        a, r = _errors(got_grads[name], rg)
-                        g_abs, g_rel = max(g_abs, a), max(g_rel, r)
-                    ok = max(v_rel, g_rel) <= check.tolerance if check.tolerance else (
-                        v_abs == 0.0 and g_abs == 0.0
-                    )
-                    results.append(
-                        CheckResult(model_class, layout, check.name, v_abs, v_rel, g_abs, g_rel,
-                                    check.tolerance, ok)
-                    )
-                except Exception as e:  # report, don't stop: the table shows every failure
-                    results.append(
-                        CheckResult(model_class, layout, check.name, math.inf, math.inf, math.inf,
-                                    math.inf, check.tolerance, False, f"{type(e).__name__}: {e}")
-                    )
+    for tied, sp, packed in _layouts(model_class, tp):
+        cfg = TinyModelConfig(model_class=model_class, tied=tied, sequence_parallel=sp)
+        layout = _layout_name(tp, sp, packed, tied)
+        stock = build_tiny_model(cfg).to(device)
+        hooked = build_tiny_model(cfg, model_cls=hooked_class(stock_model_class(model_class))).to(device)
+        hooked.load_state_dict(stock.state_dict())
+        for i, check in enumerate(checks):
+            batch = tiny_batch(cfg, packed=packed, with_labels=check.with_labels, seed=i)
+            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            processor = check.make()
+            ref, ref_grads = _run(stock, lambda: check.reference(stock, batch), seed=i)
+            got, got_grads = _run(
+                hooked, lambda: hooked(**batch, output_processor=processor), seed=i
+            )
+            v_abs, v_rel = _errors(got, ref)
+            g_abs = g_rel = 0.0
+            for name, rg in ref_grads.items():
+                a, r = _errors(got_grads[name], rg)
+                g_abs, g_rel = max(g_abs, a), max(g_rel, r)
+            ok = max(v_rel, g_rel) <= check.tolerance if check.tolerance else (
+                v_abs == 0.0 and g_abs == 0.0
+            )
+            results.append(
+                CheckResult(model_class, layout, check.name, v_abs, v_rel, g_abs, g_rel,
+                            check.tolerance, ok)
+            )
+    return results
+
+
+def _precision_checks(checks, device, model_class) -> list[CheckResult]:
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    results: list[CheckResult] = []
+    if not checks:
+        return results
+    for tied, sp, packed in _layouts(model_class, tp):
+        cfg = TinyModelConfig(
+            model_class=model_class, tied=tied, sequence_parallel=sp, params_dtype=torch.bfloat16
+        )
+        model = build_tiny_model(cfg, model_cls=hooked_class(stock_model_class(model_class))).to(device)
+        layout = _layout_name(tp, sp, packed, tied, "bf16")
+        for i, check in enumerate(checks):
+            batch = tiny_batch(cfg, packed=packed, seed=100 + i)
+            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            (v_ours, v_stock), (g_ours, g_stock), v_abs, g_abs = _precision_errors(
+                check, model, batch, seed=i
+            )
+            ok = v_ours <= v_stock and g_ours <= max(g_stock, _BF16_ROUNDING)
+            results.append(
+                CheckResult(model_class, layout, check.name, v_abs, v_ours, g_abs, g_ours,
+                            _BF16_ROUNDING, ok, rule="vs float64", stock_value_rel=v_stock,
+                            stock_grad_rel=g_stock)
+            )
     return results
 
 
@@ -230,30 +420,42 @@ def merge_ranks(per_rank: Sequence[Sequence[CheckResult]]) -> list[CheckResult]:
                 value_rel=max(r.value_rel for r in rows),
                 grad_abs=max(r.grad_abs for r in rows),
                 grad_rel=max(r.grad_rel for r in rows),
+                stock_value_rel=max(r.stock_value_rel for r in rows),
+                stock_grad_rel=max(r.stock_grad_rel for r in rows),
                 passed=all(r.passed for r in rows),
             )
         )
     return merged
 
 
+def _verdict(r: CheckResult) -> str:
+    if not r.passed:
+        return "FAIL" + (f" {r.error}" if r.error else "")
+    if r.rule == "vs float64":
+        return "pass (at least as accurate as stock)"
+    return "pass (bitwise)" if not r.tolerance else "pass"
+
+
 def format_table(results: Sequence[CheckResult]) -> str:
-    head = ("model", "layout", "processor", "value abs", "value rel", "grad abs", "grad rel", "result")
+    """The results as a text table: errors relative to stock (float32 models), or to float64
+    beside stock's own (bf16 models, ``ours / stock``)."""
+    head = ("model", "layout", "processor", "reference", "value rel", "grad rel", "result")
+
+    def pair(ours: float, stock: float, rule: str) -> str:
+        return f"{ours:.1e} / {stock:.1e}" if rule == "vs float64" else f"{ours:.2e}"
+
     rows = [
-        (
-            r.model,
-            r.layout,
-            r.processor,
-            f"{r.value_abs:.2e}",
-            f"{r.value_rel:.2e}",
-            f"{r.grad_abs:.2e}",
-            f"{r.grad_rel:.2e}",
-            ("pass" if r.passed else "FAIL") + (" (bitwise)" if r.passed and not r.tolerance else "")
-            + (f" {r.error}" if r.error else ""),
-        )
+        (r.model, r.layout, r.processor,
+         "float64 (ours / stock)" if r.rule == "vs float64" else "stock",
+         pair(r.value_rel, r.stock_value_rel, r.rule), pair(r.grad_rel, r.stock_grad_rel, r.rule),
+         _verdict(r))
         for r in results
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 

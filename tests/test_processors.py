@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -24,7 +25,7 @@ from mcore_hooks.testing import (
     supports_packed_sequences,
     tiny_batch,
 )
-from mcore_hooks.verify import PROCESSOR_CHECKS, run_checks
+from mcore_hooks.verify import PRECISION_CHECKS, PROCESSOR_CHECKS, run_checks
 
 pytestmark = pytest.mark.usefixtures("mp1")
 
@@ -55,12 +56,34 @@ def _logits64(kwargs, temperature=1.0):
 def test_every_processor_matches_stock_on_every_class_tp1():
     rows = run_checks()
     names = {r.processor for r in rows}
-    assert names == {c.name for c in PROCESSOR_CHECKS}
+    assert names == {c.name for c in PROCESSOR_CHECKS} | {c.name for c in PRECISION_CHECKS}
     assert {r.model for r in rows} == set(available_model_classes())
     failed = [r for r in rows if not r.passed]
     assert not failed, failed
     for r in rows:
-        assert max(r.value_rel, r.grad_rel) <= (r.tolerance or 0.0)
+        if r.rule == "vs stock":
+            assert max(r.value_rel, r.grad_rel) <= (r.tolerance or 0.0)
+        else:  # bf16 against float64
+            assert "bf16" in r.layout and r.value_rel <= r.stock_value_rel
+            assert r.grad_rel <= max(r.stock_grad_rel, r.tolerance)
+
+
+class _SlightlyOff(FusedLogprobProcessor):
+    """Log-probs off by one part in 10**4: far inside bf16's rounding, far outside fp32's."""
+
+    def process(self, ctx):
+        return super().process(ctx) * (1 + 1e-4)
+
+
+def test_verify_catches_a_slightly_wrong_processor():
+    from mcore_hooks.verify import PrecisionCheck
+
+    bad_fp32 = dataclasses.replace(PROCESSOR_CHECKS[3], make=_SlightlyOff)
+    bad_bf16 = dataclasses.replace(PRECISION_CHECKS[0], make=_SlightlyOff)
+    rows = run_checks([bad_fp32], model_classes=["gpt"], precision_checks=[bad_bf16])
+    assert rows and not any(r.passed for r in rows)
+    assert {r.rule for r in rows} == {"vs stock", "vs float64"}
+    assert isinstance(bad_bf16, PrecisionCheck)
 
 
 @pytest.mark.parametrize("model_class", available_model_classes())

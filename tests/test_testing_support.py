@@ -9,7 +9,6 @@ parallel equal to TP=1.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 import torch
@@ -27,7 +26,6 @@ from mcore_hooks.testing import (
     tiny_batch,
 )
 
-warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine|absl).*")
 
 ALL_CLASSES = ("gpt", "hybrid", "mamba")
 CASES = [(name, tied) for name in ALL_CLASSES for tied in (True, False)]

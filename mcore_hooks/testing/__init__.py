@@ -16,6 +16,7 @@ from .cpu_shims import (
     cpu_shims_installed,
 )
 from .distributed import DEFAULT_SEED, model_parallel, run_on_ranks
+from .._quiet import KNOWN_NOTES, quiet_megatron
 from .models import (
     TinyModelConfig,
     available_model_classes,
@@ -31,6 +32,7 @@ __all__ = [
     "CpuNorm",
     "CpuRNGStatesTracker",
     "DEFAULT_SEED",
+    "KNOWN_NOTES",
     "TinyModelConfig",
     "available_model_classes",
     "build_tiny_model",
@@ -38,6 +40,7 @@ __all__ = [
     "cpu_shims_installed",
     "model_parallel",
     "packed_sequence_slices",
+    "quiet_megatron",
     "run_on_ranks",
     "stock_model_class",
     "supports_packed_sequences",

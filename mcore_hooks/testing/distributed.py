@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .cpu_shims import cpu_shims
+from .._quiet import call_quietly, quiet_megatron
 
 __all__ = ["DEFAULT_SEED", "model_parallel", "run_on_ranks"]
 
@@ -124,29 +125,30 @@ def _worker(
     """Body of one spawned rank: puts (rank, 'ok', pickled result) or (rank, 'err', traceback)."""
     reported = False
     try:
-        # Ranks share a small CPU box: one thread each avoids oversubscription.
-        torch.set_num_threads(1)
-        fn, args, kwargs = pickle.loads(payload)
-        dist.init_process_group(
-            backend="gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-        try:
-            with model_parallel(tp=tp, cp=cp):
-                # Report before any teardown: once this rank leaves the group, ranks still in a
-                # collective fail too, and their error must not arrive first.
-                try:
-                    message = (rank, "ok", pickle.dumps(fn(*args, **kwargs)))
-                except BaseException:  # noqa: BLE001 - every failure must reach the parent
-                    message = (rank, "err", traceback.format_exc())
-                results.put(message)
-                reported = True
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
+        with quiet_megatron():  # Megatron's notes about itself, per rank, say nothing here
+            # Ranks share a small CPU box: one thread each avoids oversubscription.
+            torch.set_num_threads(1)
+            fn, args, kwargs = pickle.loads(payload)
+            dist.init_process_group(
+                backend="gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+            try:
+                with model_parallel(tp=tp, cp=cp):
+                    # Report before any teardown: once this rank leaves the group, ranks still in
+                    # a collective fail too, and their error must not arrive first.
+                    try:
+                        message = (rank, "ok", pickle.dumps(fn(*args, **kwargs)))
+                    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+                        message = (rank, "err", traceback.format_exc())
+                    results.put(message)
+                    reported = True
+            finally:
+                dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the parent re-raises it with this rank's traceback
         if not reported:
             results.put((rank, "err", traceback.format_exc()))
 
@@ -183,8 +185,8 @@ def run_on_ranks(
     port = _free_port()
     procs = [
         ctx.Process(
-            target=_worker,
-            args=(rank, world_size, port, tp, cp, timeout, payload, results),
+            target=call_quietly,  # by name: the child imports Megatron Core only once quiet
+            args=(__name__, "_worker", rank, world_size, port, tp, cp, timeout, payload, results),
             daemon=True,
         )
         for rank in range(world_size)
