@@ -1,0 +1,42 @@
+"""The command line as a new user meets it: help, a clean report, a pipe closed early."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import subprocess
+import sys
+
+from mcore_hooks._quiet import KNOWN_NOTES
+
+CLI = [sys.executable, "-m", "mcore_hooks"]
+QUICK = ["verify", "--tp", "1", "--model", "gpt"]
+
+
+def test_help_says_what_the_tool_does():
+    out = subprocess.run(CLI + ["--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "output_processor" in out.stdout and "verify" in out.stdout
+    assert "at least as accurate as stock" in out.stdout
+    sub = subprocess.run(CLI + ["verify", "--help"], capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0 and "--device" in sub.stdout and "--tp" in sub.stdout
+    bad = subprocess.run(CLI + ["check"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "invalid choice: 'check'" in bad.stderr
+
+
+def test_verify_report_is_the_table_alone():
+    out = subprocess.run(CLI + QUICK, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    version = importlib.metadata.version("megatron-core")
+    assert out.stdout.startswith(f"mcore-hooks verify: Megatron Core {version}, torch ")
+    assert re.search(r"^\d+ passed, 0 failed$", out.stdout, re.M)
+    notes = re.compile("|".join(KNOWN_NOTES))
+    assert not [line for line in out.stderr.splitlines() if notes.search(line)], out.stderr
+
+
+def test_a_closed_pipe_ends_quietly_with_the_checks_status():
+    proc = subprocess.Popen(CLI + QUICK + ["--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # `| head -0`: nobody reads the report
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0
+    assert b"BrokenPipeError" not in err and b"Traceback" not in err, err.decode()
