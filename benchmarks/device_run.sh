@@ -10,7 +10,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = quick ] || [ "$what" = profile ] || [ "$what" = ce ]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore -m gpu tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -4 || rc=1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore -rs -s -m gpu tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -25 || rc=1
   timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_triton_backend.py 2>&1 | tee "$out/triton_tests.log" | tail -4 || rc=1
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then

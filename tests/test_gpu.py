@@ -55,6 +55,70 @@ def test_kernel_on_cuda_matches_float64(dtype):
     assert rel(x.grad, xd.grad) < grad_tol and rel(w.grad, wd.grad) < grad_tol
 
 
+# --------------------------------------------------------------------------- no host syncs
+
+
+def _hook_keywords(processor_batch):
+    """A bf16 tiny GPTModel on the GPU and the hook's keywords from one forward of it."""
+    from mcore_hooks import hooked_class
+    from mcore_hooks.processors import FusedLogprobProcessor
+    from mcore_hooks.testing import TinyModelConfig, build_tiny_model, stock_model_class, tiny_batch
+
+    packed = processor_batch
+    cfg = TinyModelConfig(tied=False, params_dtype=torch.bfloat16)
+    model = build_tiny_model(cfg, model_cls=hooked_class(stock_model_class("gpt"))).cuda()
+    batch = tiny_batch(cfg, packed=packed, batch_size=3)
+    batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}
+    if packed:
+        p = batch["packed_seq_params"]
+        p.cu_seqlens_q, p.cu_seqlens_kv = p.cu_seqlens_q.cuda(), p.cu_seqlens_kv.cuda()
+    seen = {}
+
+    def grab(**kwargs):
+        seen.update(kwargs)
+        return FusedLogprobProcessor()(**kwargs)
+
+    model(**batch, output_processor=grab)
+    return seen, batch
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
+def test_processors_never_synchronise_with_the_host(packed):
+    """Forward and backward of every bundled processor (Triton backend), labels given and
+    derived, a per-sample temperature, with torch's sync debug mode raising on any
+    synchronising call."""
+    from mcore_hooks.processors import (
+        EntropyProcessor,
+        FusedLogprobProcessor,
+        LinearCEProcessor,
+        LogprobEntropyProcessor,
+    )
+    from mcore_hooks.testing import model_parallel
+
+    with model_parallel(tp=1):
+        kwargs, batch = _hook_keywords(packed)
+        samples = 3
+        temperature = torch.linspace(0.5, 1.5, samples, device="cuda")
+        processors = [
+            FusedLogprobProcessor(temperature=temperature), EntropyProcessor(mask_from_labels=True),
+            LogprobEntropyProcessor(as_tuple=True, temperature=0.7), LinearCEProcessor(),
+            LinearCEProcessor(reduction="sum"), LinearCEProcessor(reduction="mean"),
+        ]
+        for derived in (False, True):
+            for processor in processors:
+                hidden = kwargs["hidden_states"].detach().requires_grad_()
+                call = dict(kwargs, hidden_states=hidden, labels=None if derived else kwargs["labels"])
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out = processor(**call)
+                    out = torch.stack(list(out)) if isinstance(out, tuple) else out
+                    out.float().sum().backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+
+
 # --------------------------------------------------------------------------- 2 GPUs
 
 
@@ -64,10 +128,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _overlap_param_gather_worker(rank: int, world: int, port: int, backport: bool, out) -> None:
-    """DP=2, distributed optimizer with overlapped param all-gather: after an optimizer step the
-    processor (which reads the output weight without calling output_layer.forward) must see the
-    gathered, updated weights, i.e. equal the stock loss computed after it."""
+def _param_gather_worker(rank: int, world: int, port: int, backport: bool, mode: str, out) -> None:
+    """DP=2, sharded parameters gathered before each module's forward by a forward pre-hook:
+    Megatron DDP with the distributed optimizer and ``overlap_param_gather`` (``mode="ddp"``;
+    ``align_param_gather`` so no earlier hook dispatches the output layer's all-gather: each
+    bucket is gathered only by its own module's pre-hook), or Megatron-FSDP (``mode="fsdp"``,
+    whose unshard pre-hook takes kwargs). After each optimizer step the processor (which reads
+    the output weight instead of calling output_layer.forward) runs first, the stock forward
+    second; their log-probs must agree. ``mode="ddp-skip"`` is the negative control: the
+    processors' pre-hook call is disabled, so the output weight is stale."""
     try:
         import torch.distributed as dist
         from megatron.core import parallel_state, tensor_parallel
@@ -80,6 +149,8 @@ def _overlap_param_gather_worker(rank: int, world: int, port: int, backport: boo
         from mcore_hooks import compat, enable_output_processor
         from mcore_hooks.processors import FusedLogprobProcessor
 
+        if mode == "ddp-skip":  # what the processors did before: read the weight, run no hooks
+            compat.run_forward_pre_hooks = lambda module, args, kwargs: (args, kwargs)
         torch.cuda.set_device(rank)
         dist.init_process_group(
             "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -96,11 +167,24 @@ def _overlap_param_gather_worker(rank: int, world: int, port: int, backport: boo
             config, get_gpt_layer_local_spec(), vocab_size=256, max_sequence_length=64,
             position_embedding_type="learned_absolute", share_embeddings_and_output_weights=False,
         ).cuda()
-        ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
-            grad_reduce_in_fp32=True, bucket_size=4096,  # several buckets, output layer in its own
-        )
-        model = enable_output_processor(DistributedDataParallel(config, ddp_config, model))
+        if mode == "fsdp":
+            from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+            from megatron.core.transformer.transformer_layer import TransformerLayer
+
+            ddp_config = DistributedDataParallelConfig(
+                use_distributed_optimizer=True, use_megatron_fsdp=True,
+                data_parallel_sharding_strategy="optim_grads_params", overlap_grad_reduce=True,
+                overlap_param_gather=True, grad_reduce_in_fp32=True,
+            )
+            model = FullyShardedDataParallel(config, ddp_config, model, fsdp_unit_modules=[TransformerLayer])
+        else:
+            ddp_config = DistributedDataParallelConfig(
+                use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
+                align_param_gather=True, grad_reduce_in_fp32=True,
+                bucket_size=4096,  # several buckets, the output layer in its own
+            )
+            model = DistributedDataParallel(config, ddp_config, model)
+        model = enable_output_processor(model)
         opt = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=0.05, use_distributed_optimizer=True,
                             params_dtype=torch.float32),
@@ -127,25 +211,63 @@ def _overlap_param_gather_worker(rank: int, world: int, port: int, backport: boo
                 stock = -model(ids, pos, mask, labels=labels)
             errors.append(((logprob - stock).abs().max() / stock.abs().max()).item())
         out.put((rank, errors, None))
-    except Exception:
+    except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
         out.put((rank, None, traceback.format_exc()))
 
 
-@pytest.mark.parametrize("backport", [False, True], ids=["native-or-installed", "backport"])
-def test_distributed_optimizer_overlap_param_gather(backport):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
+def _run_param_gather(backport: bool, mode: str) -> list:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_overlap_param_gather_worker, args=(r, 2, port, backport, out)) for r in range(2)]
+    procs = [ctx.Process(target=_param_gather_worker, args=(r, 2, port, backport, mode, out)) for r in range(2)]
     for p in procs:
         p.start()
     results = [out.get(timeout=300) for _ in procs]
     for p in procs:
         p.join(timeout=60)
-    for rank, errors, tb in results:
+    for rank, _, tb in results:
         assert tb is None, f"rank {rank}:\n{tb}"
-        assert max(errors) < 1e-5, (rank, errors)
+    return [errors for _, errors, _ in results]
+
+
+def _needs_two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+
+
+@pytest.mark.parametrize("backport", [False, True], ids=["native-or-installed", "backport"])
+def test_distributed_optimizer_overlap_param_gather(backport):
+    _needs_two_gpus()
+    for errors in _run_param_gather(backport, "ddp"):
+        assert max(errors) < 1e-5, errors
+
+
+def test_skipping_the_pre_hooks_reads_stale_weights():
+    """Negative control: without running the output layer's pre-hooks, the processor reads the
+    output weight before its all-gather (only the native hook calls the processor outside the
+    output layer; the backport runs inside its pre-hooks)."""
+    _needs_two_gpus()
+    from megatron.core.models.gpt import GPTModel
+
+    from mcore_hooks import compat
+
+    if not compat.has_native_hook(GPTModel):
+        pytest.skip("no native hook: the backport always runs inside the output layer's pre-hooks")
+    per_rank = _run_param_gather(False, "ddp-skip")
+    print("stale-weight errors per rank:", per_rank)
+    assert all(max(errors) > 1e-3 for errors in per_rank), per_rank
+
+
+@pytest.mark.parametrize("backport", [False, True], ids=["native-or-installed", "backport"])
+def test_megatron_fsdp_unshards_the_output_weight(backport):
+    _needs_two_gpus()
+    try:
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import HAVE_MEGATRON_FSDP
+    except ImportError:
+        HAVE_MEGATRON_FSDP = False
+    if not HAVE_MEGATRON_FSDP:
+        pytest.skip("this Megatron Core release ships no Megatron-FSDP")
+    for errors in _run_param_gather(backport, "fsdp"):
+        assert max(errors) < 1e-5, errors

@@ -7,7 +7,11 @@ covered by the GPU run.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from typing import NamedTuple
 
 import pytest
@@ -300,3 +304,63 @@ def test_misaligned_views_fall_back_to_pointer_loads():
     tri = _run("triton", x, w, labels, 1.0, ones, ones)
     ref = _reference(x, w, labels, 1.0, ones, ones)
     assert close(tri[0], ref[0], 1e-5) and close(tri[1], ref[1], 1e-5)
+
+
+# --------------------------------------------------------------------------- tiles of other GPUs
+
+
+def _compiled_shared_memory(kernel, signature: dict, flags: dict, capability: int, tile) -> int:
+    """Shared memory of ``kernel`` compiled for a GPU of this compute capability (Triton
+    cross-compiles; nothing runs, no GPU needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    launch = tile.launch()
+    options = dict(num_warps=launch.pop("num_warps"), num_stages=launch.pop("num_stages"))
+    constexprs = dict(flags, **launch)
+    signature = dict(signature, **{k: "constexpr" for k in constexprs})
+    src = ASTSource(
+        fn=kernel, signature=signature,
+        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
+    )
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options).metadata.shared
+
+
+def _shared_memory_report(family: str, capability: int) -> list[int]:
+    tiles = next(t for t in triton_fused.TILES if t.name == family)
+    ptr = {"X": "*bf16", "W": "*bf16", "COEF": "*fp32"}
+    fwd = dict(ptr, M="*fp32", S="*fp32", A="*fp32", N="i32", V="i32", H="i32", stride_x="i32",
+               stride_w="i32", tiles_per_split="i32", splits="i32")
+    bwd = dict(ptr, LABEL="*i64", M="*fp32", LOGS="*fp32", ENT="*fp32", G1="*fp32", G2="*fp32",
+               DZ="*bf16", N="i32", V="i32", H="i32", v0="i32", Vc="i32", stride_x="i32",
+               stride_w="i32", stride_dz="i32")
+    flags = dict(EVEN_K=True, USE_TMA=False)
+    return [
+        _compiled_shared_memory(triton_fused._stats_fwd_kernel, fwd, flags, capability, tiles.fwd),
+        _compiled_shared_memory(triton_fused._dlogits_kernel, bwd, flags, capability, tiles.bwd),
+    ]
+
+
+@pytest.mark.parametrize(
+    "family, capability, limit",
+    [("sm_80", 80, 163 * 1024), ("sm_86", 86, 99 * 1024), ("sm_86", 89, 99 * 1024),
+     ("sm_86", 120, 99 * 1024)],
+)
+def test_each_familys_tiles_fit_that_gpu(family, capability, limit):
+    """The tiles chosen for GPUs this project has no access to, compiled for them: their
+    kernels need no more shared memory than the selection's estimate, which fits the GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    run = subprocess.run(
+        [sys.executable, __file__, family, str(capability)], capture_output=True, text=True,
+        timeout=300, env=env,
+    )
+    if run.returncode != 0 and "ptxas" in run.stderr and "not found" in run.stderr:
+        pytest.skip("this Triton cannot compile for CUDA here (no ptxas)")
+    assert run.returncode == 0, run.stderr[-3000:]
+    used = json.loads(run.stdout.strip().splitlines()[-1])
+    tiles = next(t for t in triton_fused.TILES if t.name == family)
+    assert max(used) <= tiles.shared_memory() <= limit, (used, tiles.shared_memory(), limit)
+
+
+if __name__ == "__main__":  # the subprocess of the test above
+    print(json.dumps(_shared_memory_report(sys.argv[1], int(sys.argv[2]))))
