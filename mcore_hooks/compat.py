@@ -368,11 +368,64 @@ class _ProcessorResult(BaseException):
         self.value = value
 
 
+def call_processor_at_output_layer(
+    model: Any,
+    run: Callable[[], Any],
+    output_processor: Callable[..., Any],
+    keywords: Callable[[], dict],
+) -> tuple[bool, Any]:
+    """Run ``run()``, a stock code path ending in ``model.output_layer(hidden, weight=...)``, with
+    ``output_processor`` called in place of the output layer.
+
+    For that call only, a forward pre-hook on the model's own output layer (nothing global,
+    removed on the way out) calls the processor with the hidden states and weight the layer got
+    (after any earlier pre-hooks: the distributed optimizer's all-gather wait), ``output_layer``,
+    and ``keywords()`` for upstream's other keywords, then unwinds ``run()`` with its result.
+    Returns ``(True, result)``, or ``(False, run()'s own result)`` if the output layer was never
+    reached.
+    """
+    fired: list[bool] = []
+
+    def call_processor(layer: Any, o_args: tuple, o_kwargs: dict) -> None:
+        if fired:  # the processor itself may run the output layer (ctx.logits())
+            return
+        fired.append(True)
+        token = _IN_OUTPUT_LAYER_PRE_HOOK.set(True)
+        try:
+            result = output_processor(
+                hidden_states=o_args[0] if o_args else o_kwargs.get("input_"),
+                output_layer=layer,
+                output_weight=o_kwargs.get("weight"),
+                **keywords(),
+            )
+        finally:
+            _IN_OUTPUT_LAYER_PRE_HOOK.reset(token)
+        raise _ProcessorResult(result)
+
+    handle = model.output_layer.register_forward_pre_hook(call_processor, with_kwargs=True)
+    try:
+        return False, run()
+    except _ProcessorResult as done:
+        return True, done.value
+    finally:
+        handle.remove()
+
+
+def refuse_mtp(model: Any, where: str) -> None:
+    if mtp_enabled(model):
+        raise NotImplementedError(
+            "output_processor with multi-token prediction (config.mtp_num_layers) is not "
+            f"supported by the backport of {type(model).__name__}.{where} on this Megatron Core "
+            "release: the stock MTP loss calls the output layer once per depth before the main call."
+        )
+
+
 class BackportHookMixin:
-    """Adds upstream's ``output_processor`` / ``output_processor_context`` keywords to ``forward``.
+    """Adds upstream's ``output_processor`` / ``output_processor_context`` keywords to ``forward``
+    and ``build_schedule_plan``.
 
     Put first in the bases of a Megatron Core language-model class that lacks them. With
-    ``output_processor=None`` the stock ``forward`` runs untouched (bit-identical results).
+    ``output_processor=None`` the stock methods run untouched (bit-identical results).
     """
 
     def forward(
@@ -387,12 +440,7 @@ class BackportHookMixin:
             return stock_forward(*args, **kwargs)
         check_output_processor(output_processor)
         model: Any = self
-        if mtp_enabled(model):
-            raise NotImplementedError(
-                "output_processor with multi-token prediction (config.mtp_num_layers) is not "
-                f"supported on {type(self).__name__} by this Megatron Core release's backport: the "
-                "stock MTP loss calls the output layer once per depth before the main call."
-            )
+        refuse_mtp(model, "forward")
         try:
             bound = inspect.signature(stock_forward).bind(*args, **kwargs)
         except TypeError as e:
@@ -409,57 +457,75 @@ class BackportHookMixin:
         def capture_decoder_input(_m: Any, d_args: tuple, d_kwargs: dict) -> None:
             seen["decoder_input"] = d_kwargs.get("hidden_states", d_args[0] if d_args else None)
 
-        def call_processor(layer: Any, o_args: tuple, o_kwargs: dict) -> None:
-            if "fired" in seen:  # the processor itself may run the output layer (ctx.logits())
-                return
-            seen["fired"] = True
-            token = _IN_OUTPUT_LAYER_PRE_HOOK.set(True)
-            try:
-                result = output_processor(
-                    hidden_states=o_args[0] if o_args else o_kwargs.get("input_"),
-                    output_layer=layer,
-                    output_weight=o_kwargs.get("weight"),
-                    labels=a.get("labels"),
-                    loss_mask=a.get("loss_mask"),
-                    input_ids=a.get("input_ids"),
-                    position_ids=a.get("position_ids"),
-                    attention_mask=a.get("attention_mask"),
-                    decoder_input=seen.get("decoder_input"),
-                    inference_context=inference_context,
-                    packed_seq_params=a.get("packed_seq_params"),
-                    runtime_gather_output=a.get("runtime_gather_output"),
-                    context=output_processor_context,
-                    compute_language_model_loss=model.compute_language_model_loss,
-                    scale_logits=scale_logits_of(model),
-                    config=model.config,
-                )
-            finally:
-                _IN_OUTPUT_LAYER_PRE_HOOK.reset(token)
-            raise _ProcessorResult(result)
+        def keywords() -> dict:
+            return dict(
+                labels=a.get("labels"),
+                loss_mask=a.get("loss_mask"),
+                input_ids=a.get("input_ids"),
+                position_ids=a.get("position_ids"),
+                attention_mask=a.get("attention_mask"),
+                decoder_input=seen.get("decoder_input"),
+                inference_context=inference_context,
+                packed_seq_params=a.get("packed_seq_params"),
+                runtime_gather_output=a.get("runtime_gather_output"),
+                context=output_processor_context,
+                compute_language_model_loss=model.compute_language_model_loss,
+                scale_logits=scale_logits_of(model),
+                config=model.config,
+            )
 
-        handles = []
-        if getattr(model, "decoder", None) is not None:
-            handles.append(
-                model.decoder.register_forward_pre_hook(capture_decoder_input, with_kwargs=True)
-            )
-        if getattr(model, "post_process", False):
-            handles.append(
-                model.output_layer.register_forward_pre_hook(call_processor, with_kwargs=True)
-            )
-        try:
+        def run() -> Any:
             with full_sequence_logits(inference_context):
-                out = stock_forward(*args, **kwargs)
-        except _ProcessorResult as done:
-            return done.value
+                return stock_forward(*args, **kwargs)
+
+        if not getattr(model, "post_process", False):
+            return run()  # not the last pipeline stage: hidden states, processor never runs
+        handle = None
+        if getattr(model, "decoder", None) is not None:
+            handle = model.decoder.register_forward_pre_hook(capture_decoder_input, with_kwargs=True)
+        try:
+            called, out = call_processor_at_output_layer(model, run, output_processor, keywords)
         finally:
-            for h in handles:
-                h.remove()
-        if getattr(model, "post_process", False):
+            if handle is not None:
+                handle.remove()
+        if not called:
             raise RuntimeError(
                 f"{type(self).__name__}.forward returned without reaching its output layer, so "
                 "output_processor was not called; this path is not supported by the backport"
             )
-        return out  # not the last pipeline stage: hidden states, processor never runs
+        return out
+
+    def build_schedule_plan(
+        self,
+        *args: Any,
+        output_processor: Optional[Callable[..., Any]] = None,
+        output_processor_context: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> Any:
+        stock = getattr(super(), "build_schedule_plan", None)
+        if stock is None:
+            raise NotImplementedError(no_schedule_plan_reason(type(self)))
+        plan = stock(*args, **kwargs)
+        if output_processor is None:
+            return plan
+        from .schedule_plan import attach_processor
+
+        return attach_processor(self, plan, output_processor, output_processor_context)
+
+
+def no_schedule_plan_reason(cls: type) -> str:
+    """Why ``cls`` has no ``build_schedule_plan`` on the installed Megatron Core."""
+    gpt = model_class("gpt")
+    if gpt is not None and issubclass(cls, gpt):
+        return (
+            f"{cls.__name__}.build_schedule_plan: this Megatron Core release has no combined-1F1B "
+            "schedule plan (GPTModel.build_schedule_plan arrived in 0.14)"
+        )
+    return (
+        f"{cls.__name__}.build_schedule_plan: HybridModel and MambaModel have no combined-1F1B "
+        "schedule plan in any Megatron Core release (upstream PR #4942 adds one to HybridModel); "
+        "with the ordinary schedules, forward(..., output_processor=...) works on them"
+    )
 
 
 @functools.lru_cache(maxsize=None)

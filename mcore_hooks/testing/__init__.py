@@ -14,6 +14,7 @@ from .cpu_shims import (
     CpuRNGStatesTracker,
     cpu_shims,
     cpu_shims_installed,
+    schedule_plan_on_cpu,
 )
 from .distributed import DEFAULT_SEED, model_parallel, run_on_ranks
 from .._quiet import KNOWN_NOTES, quiet_megatron
@@ -42,6 +43,7 @@ __all__ = [
     "packed_sequence_slices",
     "quiet_megatron",
     "run_on_ranks",
+    "schedule_plan_on_cpu",
     "stock_model_class",
     "supports_packed_sequences",
     "tiny_batch",

@@ -15,6 +15,8 @@ What stands in for what (each class/function below says why in its docstring):
   their final norm (applied only while a test builder constructs such a model).
 - :class:`CpuRNGStatesTracker` -> ``CudaRNGStatesTracker`` (its ``fork()``/``add()`` read and
   write the CUDA generator state, which fails without a GPU).
+- :func:`schedule_plan_on_cpu` -> the CUDA streams, events and NVTX ranges of Megatron's
+  combined-1F1B schedule plan (applied only inside its own scope, by the schedule-plan tests).
 - the ``torch`` proxy :func:`cpu_shims` puts in a few Megatron modules -> the ``torch.cuda.current_device()``
   calls with which Megatron's tensor-parallel mappings, linear layers and global memory buffer
   allocate their communication buffers (only those Megatron modules see the proxy; everything
@@ -43,6 +45,7 @@ __all__ = [
     "CpuRNGStatesTracker",
     "cpu_shims",
     "cpu_shims_installed",
+    "schedule_plan_on_cpu",
     "te_norm_replaced",
 ]
 
@@ -440,3 +443,65 @@ def _uninstall() -> None:
         mcore_random._CUDA_RNG_STATE_TRACKER,
         mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED,
     ) = _ORIGINAL.pop("tracker")
+
+
+# --------------------------------------------------------------------------------------------
+# Streams and events of the combined-1F1B schedule plan
+# --------------------------------------------------------------------------------------------
+class _NoEvent:
+    """Stands in for ``torch.cuda.Event``: on one CPU stream every event has already happened."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def schedule_plan_on_cpu() -> Iterator[None]:
+    """Within the block, the CUDA calls of Megatron's combined-1F1B schedule plan do nothing.
+
+    Why: the plan (``TransformerModelChunkSchedulePlan``, its ``ScheduleNode`` objects and the
+    combined-1F1B scheduler) orders its nodes on CUDA streams with CUDA events and marks them
+    with NVTX ranges; on a CPU there is one stream and everything is already ordered. Stands in
+    for ``torch.cuda.Event`` (no-op record / wait), ``torch.cuda.current_stream`` and
+    ``torch.cuda.Stream`` (None: ``torch.cuda.stream(None)`` is a no-op), ``torch.cuda.nvtx``'s
+    ``range_push`` / ``range_pop`` and ``Tensor.record_stream``. These are torch attributes, so
+    the scope is as narrow as the test that needs it; every one is restored on exit.
+    """
+    patches = [
+        (torch.cuda, "Event", _NoEvent),
+        (torch.cuda, "Stream", _nothing),
+        (torch.cuda, "current_stream", _nothing),
+        (torch.cuda.nvtx, "range_push", _nothing),
+        (torch.cuda.nvtx, "range_pop", _nothing),
+        (torch.Tensor, "record_stream", _nothing),
+    ]
+    saved = [(obj, name, vars(obj).get(name, _ABSENT)) for obj, name, _ in patches]
+    try:
+        for obj, name, stand_in in patches:
+            setattr(obj, name, stand_in)
+        yield
+    finally:
+        for obj, name, original in reversed(saved):
+            if original is _ABSENT:  # inherited (Tensor.record_stream lives on TensorBase)
+                delattr(obj, name)
+            else:
+                setattr(obj, name, original)
+
+
+_ABSENT = object()
