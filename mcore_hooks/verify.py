@@ -90,8 +90,8 @@ def _masked_sum(loss: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tenso
 
 
 def _masked_mean(loss: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    # Megatron's masked mean (sum / count; the tiny batches always count some tokens)
-    return (loss * mask).sum() / mask.sum() if mask is not None else loss.mean()
+    # Megatron's schedules: the masked sum over the token count, at least 1
+    return (loss * mask).sum() / mask.sum().clamp(min=1) if mask is not None else loss.mean()
 
 
 # fp32 tolerance for the fused processors: they sum in a different order than stock.

@@ -351,8 +351,8 @@ def _cp_reduced_check(reduction: str, all_masked: bool):
         reduction="none", ignore_index=-100,
     )
     stock = (ce * mask.reshape(-1)).sum()
-    if reduction == "mean":
-        stock = stock / mask.sum()
+    if reduction == "mean":  # as Megatron's schedules: the token count, at least 1
+        stock = stock / mask.sum().clamp(min=1)
     stock.backward()
     stock_grads = (h.grad[part], layer.weight.grad.clone())
     return local, full, stock.detach(), dh, dh_full[part], dw, dw_full, stock_grads
@@ -371,16 +371,15 @@ def test_context_parallel_reduced_loss_is_the_whole_sequences(reduction):
         torch.testing.assert_close(dw_ref, stock_dw, **tol)
 
 
-def test_all_masked_mean_is_nan_like_megatrons_masked_mean():
-    """No position counted: 0 / 0 = NaN, value and gradients, exactly where stock has them."""
+def test_all_masked_mean_is_zero_like_megatrons_schedules():
+    """No position counted: Megatron's schedules divide by the token count clamped to 1, so the
+    mean is 0 with zero gradients; so is ours, on every CP rank."""
     for local, full, stock, dh, dh_full, dw, dw_full, (stock_dh, stock_dw) in run_on_ranks(
         _cp_reduced_check, 2, "mean", True, tp=1, cp=2
     ):
-        assert torch.isnan(stock) and torch.isnan(full) and torch.isnan(local)
-        assert torch.isnan(stock_dh).any()
-        assert torch.equal(torch.isnan(dh_full), torch.isnan(stock_dh))
-        assert torch.equal(torch.isnan(dw_full), torch.isnan(stock_dw))
-        assert torch.isnan(dh).any() and torch.isnan(dw).any()
+        assert stock == 0 and full == 0 and local == 0
+        for g in (stock_dh, stock_dw, dh_full, dw_full, dh, dw):
+            assert torch.count_nonzero(g) == 0
 
 
 def test_mup_scaling_through_a_real_model():

@@ -267,11 +267,12 @@ class LinearCEProcessor(_FusedProcessor):
     ``reduction="none"``: float32 ``[b, s]``, equal to the stock per-token loss (0 at
     ``ignore_index``). ``"sum"`` / ``"mean"``: a float32 scalar over the positions whose label is
     not ignored, weighted by ``loss_mask`` when the model got one; ``"mean"`` divides by the
-    weights' sum, as Megatron's masked mean does: with no position counted that is 0 / 0 = NaN
-    (and NaN gradients), like Megatron's loss function and ``torch.nn.functional.cross_entropy``.
-    Under context parallelism the value is the whole sequence's (the sums are all-reduced over
-    the CP group, as Megatron's masked mean does), on every CP rank, while each rank's gradient
-    is its own tokens' share: summed over the CP group, the gradients are the unsplit run's.
+    weights' sum, at least 1, as Megatron's schedules divide a micro-batch's loss by its token
+    count ("protect against division by zero when all tokens are masked", 0.14+): a micro-batch
+    with no position counted gives 0 and no gradient. Under context parallelism the value is the
+    whole sequence's (sum and count all-reduced over the CP group, as Megatron's masked mean),
+    on every CP rank, while each rank's gradient is its own tokens' share: summed over the CP
+    group, the gradients are the unsplit run's.
 
     The reduced losses take :func:`~mcore_hooks.kernels.linear_cross_entropy`: their gradients
     are formed during the forward (three matmuls instead of four), and the forward holds float32
@@ -312,7 +313,7 @@ class LinearCEProcessor(_FusedProcessor):
         if ctx.loss_mask is not None:
             weight = weight * ctx.loss_mask.float()
         if self.reduction == "mean":
-            weight = weight / _cp_sum(weight.sum(), ctx.cp_group)  # 0 / 0 = NaN, as Megatron's
+            weight = weight / _cp_sum(weight.sum(), ctx.cp_group).clamp(min=1.0)
         token_weight = weight.t().reshape(-1)  # s-major, like the kernel's tokens
         loss = linear_cross_entropy(k.hidden, k.weight, k.labels, token_weight=token_weight, **k.kwargs)
         if ctx.cp_size > 1:  # the whole sequence's value, this rank's gradient
