@@ -29,7 +29,7 @@ import functools
 import importlib
 import inspect
 import math
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -101,7 +101,10 @@ def forward_accepts(cls: type, keyword: str) -> bool:
 
 def has_native_hook(cls: type) -> bool:
     """Whether stock ``cls.forward`` already takes upstream's ``output_processor`` keyword."""
-    return not issubclass(cls, BackportHookMixin) and forward_accepts(cls, "output_processor")
+    return (
+        not issubclass(cls, (BackportHookMixin, NativeMTPHookMixin))
+        and forward_accepts(cls, "output_processor")
+    )
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -145,6 +148,25 @@ def group_rank_size(group: Any) -> tuple[int, int]:
     if helpers is not None:
         return helpers[0](group), helpers[1](group)
     return torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+
+
+class VocabLayout(NamedTuple):
+    """How an output layer's weight and input are split over its tensor-parallel group."""
+
+    group: Any
+    rank: int
+    size: int
+    vocab_start: int  # global id of this rank's first vocabulary row
+    sequence_parallel: bool  # the input is this rank's token shard
+
+
+def vocab_layout(output_layer: Any, weight: torch.Tensor) -> VocabLayout:
+    """The layout of Megatron's ``ColumnParallelLinear`` output layer: its ``tp_group``, every rank
+    holding ``padded_vocab / tp`` rows, sequence parallel as the layer says (only with TP > 1)."""
+    group = getattr(output_layer, "tp_group", None)
+    rank, size = group_rank_size(group)
+    sp = bool(getattr(output_layer, "sequence_parallel", False)) and size > 1
+    return VocabLayout(group, rank, size, rank * weight.shape[0], sp)
 
 
 def model_of_hook_call(compute_language_model_loss: Any) -> Any:
@@ -319,6 +341,77 @@ def mtp_enabled(model: torch.nn.Module) -> bool:
     return bool(getattr(model.config, "mtp_num_layers", None))
 
 
+class MTPCalls:
+    """Which of one forward's output-layer calls compute a multi-token-prediction depth's logits.
+
+    With MTP on, the stock post-process calls the output layer once per MTP depth before the
+    main call. How to tell them apart depends on the release, found by feature detection:
+
+    * 0.14+: the MTP block returns the main and the depths' hidden states concatenated along the
+      sequence, and the post-process takes them apart with ``torch.chunk``: a depth call's input is
+      chunk ``d >= 1`` of that concatenation (a view of it), the main call's is chunk 0 (or no
+      view, when the MTP step did not run);
+    * 0.13: ``MultiTokenPredictionBlock.forward`` calls the output layer itself, once per depth: a
+      call made while the block runs is the next depth's (told by forward hooks on the block,
+      registered for the scope of this object's ``with``).
+
+    Use it as a context manager around the forward (or post-process) it classifies.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.num_depths = int(getattr(model.config, "mtp_num_layers", None) or 0)
+        block = getattr(model, "mtp", None) if self.num_depths else None
+        self._block = block if block is not None and forward_accepts(type(block), "output_layer") else None
+        self._inside = False
+        self._depth = 0
+        self._last: Optional[tuple[torch.Tensor, int]] = None  # a call may be asked about twice
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "MTPCalls":
+        if self._block is not None:
+            def enter(*_: Any) -> None:
+                self._inside, self._depth = True, 0
+
+            def leave(*_: Any) -> None:
+                self._inside = False
+
+            self._handles = [
+                self._block.register_forward_pre_hook(enter),
+                self._block.register_forward_hook(leave),
+            ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def depth(self, hidden_states: torch.Tensor) -> int:
+        """The MTP depth (1-based) an output-layer call with this input computes; 0 for the main
+        call."""
+        if not self.num_depths:
+            return 0
+        if self._block is not None:
+            if not self._inside:
+                return 0
+            if self._last is None or self._last[0] is not hidden_states:
+                self._depth += 1
+                self._last = (hidden_states, self._depth)
+            return self._last[1]
+        base = hidden_states._base
+        s = hidden_states.shape[0]
+        if (
+            base is None
+            or base.dim() != hidden_states.dim()
+            or base.shape[1:] != hidden_states.shape[1:]
+            or base.shape[0] != (1 + self.num_depths) * s
+            or not hidden_states.is_contiguous()
+        ):
+            return 0
+        offset = hidden_states.storage_offset() - base.storage_offset()
+        return offset // hidden_states[:1].numel() // s
+
+
 @contextlib.contextmanager
 def full_sequence_logits(inference_context: Any) -> Iterator[None]:
     """Keep stock inference code from slicing hidden states to the last token before the hook.
@@ -373,6 +466,7 @@ def call_processor_at_output_layer(
     run: Callable[[], Any],
     output_processor: Callable[..., Any],
     keywords: Callable[[], dict],
+    mtp_calls: "MTPCalls",
 ) -> tuple[bool, Any]:
     """Run ``run()``, a stock code path ending in ``model.output_layer(hidden, weight=...)``, with
     ``output_processor`` called in place of the output layer.
@@ -380,20 +474,24 @@ def call_processor_at_output_layer(
     For that call only, a forward pre-hook on the model's own output layer (nothing global,
     removed on the way out) calls the processor with the hidden states and weight the layer got
     (after any earlier pre-hooks: the distributed optimizer's all-gather wait), ``output_layer``,
-    and ``keywords()`` for upstream's other keywords, then unwinds ``run()`` with its result.
-    Returns ``(True, result)``, or ``(False, run()'s own result)`` if the output layer was never
-    reached.
+    and ``keywords()`` for upstream's other keywords, then unwinds ``run()`` with its result. The
+    MTP depths' output-layer calls before it (``mtp_calls``) pass through, as upstream's hook
+    runs the MTP step first. Returns ``(True, result)``, or ``(False, run()'s own result)`` if
+    the output layer was never reached.
     """
     fired: list[bool] = []
 
     def call_processor(layer: Any, o_args: tuple, o_kwargs: dict) -> None:
         if fired:  # the processor itself may run the output layer (ctx.logits())
             return
+        hidden = o_args[0] if o_args else o_kwargs.get("input_")
+        if mtp_calls.depth(hidden):
+            return
         fired.append(True)
         token = _IN_OUTPUT_LAYER_PRE_HOOK.set(True)
         try:
             result = output_processor(
-                hidden_states=o_args[0] if o_args else o_kwargs.get("input_"),
+                hidden_states=hidden,
                 output_layer=layer,
                 output_weight=o_kwargs.get("weight"),
                 **keywords(),
@@ -409,15 +507,6 @@ def call_processor_at_output_layer(
         return True, done.value
     finally:
         handle.remove()
-
-
-def refuse_mtp(model: Any, where: str) -> None:
-    if mtp_enabled(model):
-        raise NotImplementedError(
-            "output_processor with multi-token prediction (config.mtp_num_layers) is not "
-            f"supported by the backport of {type(model).__name__}.{where} on this Megatron Core "
-            "release: the stock MTP loss calls the output layer once per depth before the main call."
-        )
 
 
 class BackportHookMixin:
@@ -440,7 +529,6 @@ class BackportHookMixin:
             return stock_forward(*args, **kwargs)
         check_output_processor(output_processor)
         model: Any = self
-        refuse_mtp(model, "forward")
         try:
             bound = inspect.signature(stock_forward).bind(*args, **kwargs)
         except TypeError as e:
@@ -480,11 +568,16 @@ class BackportHookMixin:
 
         if not getattr(model, "post_process", False):
             return run()  # not the last pipeline stage: hidden states, processor never runs
+        from .mtp import mtp_loss_hook, mtp_loss_of
+
         handle = None
         if getattr(model, "decoder", None) is not None:
             handle = model.decoder.register_forward_pre_hook(capture_decoder_input, with_kwargs=True)
         try:
-            called, out = call_processor_at_output_layer(model, run, output_processor, keywords)
+            with MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss_of(output_processor), calls):
+                called, out = call_processor_at_output_layer(
+                    model, run, output_processor, keywords, calls
+                )
         finally:
             if handle is not None:
                 handle.remove()
@@ -525,6 +618,44 @@ def no_schedule_plan_reason(cls: type) -> str:
         f"{cls.__name__}.build_schedule_plan: HybridModel and MambaModel have no combined-1F1B "
         "schedule plan in any Megatron Core release (upstream PR #4942 adds one to HybridModel); "
         "with the ordinary schedules, forward(..., output_processor=...) works on them"
+    )
+
+
+class NativeMTPHookMixin:
+    """For a class with upstream's hook (0.18+ GPTModel) and an instance with MTP on: the
+    processor's ``mtp_loss`` (:mod:`mcore_hooks.mtp`) computes the MTP depths' loss, in
+    ``forward`` and in ``build_schedule_plan``'s post-process node. Everything else is the
+    native call, passed through unchanged."""
+
+    def forward(self, *args: Any, output_processor: Optional[Callable[..., Any]] = None,
+                output_processor_context: Optional[Any] = None, **kwargs: Any) -> Any:
+        from .mtp import mtp_loss_hook, mtp_loss_of
+
+        native = super().forward  # type: ignore[misc]
+        model: Any = self
+        with MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss_of(output_processor), calls):
+            return native(*args, output_processor=output_processor,
+                          output_processor_context=output_processor_context, **kwargs)
+
+    def build_schedule_plan(self, *args: Any, output_processor: Optional[Callable[..., Any]] = None,
+                            output_processor_context: Optional[Any] = None, **kwargs: Any) -> Any:
+        from .schedule_plan import attach_mtp_loss
+
+        plan = super().build_schedule_plan(  # type: ignore[misc]
+            *args, output_processor=output_processor,
+            output_processor_context=output_processor_context, **kwargs
+        )
+        return attach_mtp_loss(self, plan, output_processor)
+
+
+@functools.lru_cache(maxsize=None)
+def native_mtp_class(cls: type) -> type:
+    """``cls`` (with upstream's hook) with :class:`NativeMTPHookMixin` in front."""
+    name = cls.__name__ if cls.__name__.startswith("Hooked") else f"Hooked{cls.__name__}"
+    return type(
+        name,
+        (NativeMTPHookMixin, cls),
+        {"__module__": "mcore_hooks.postprocess", "__qualname__": name, "__doc__": cls.__doc__},
     )
 
 

@@ -87,20 +87,18 @@ class PostprocessContext:
         layer = known["output_layer"]
         # Tied embeddings pass the embedding's weight; otherwise the output layer owns it.
         weight = known["output_weight"] if known["output_weight"] is not None else layer.weight
-        tp_group = getattr(layer, "tp_group", None)
-        tp_rank, tp_size = compat.group_rank_size(tp_group)
-        local_vocab = weight.shape[0]
+        layout = compat.vocab_layout(layer, weight)
         cp_group = compat.context_parallel_group(known["compute_language_model_loss"], known["config"])
         return cls(
             **known,
             extra=extra,
             weight=weight,
-            tp_group=tp_group,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            vocab_start=tp_rank * local_vocab,
-            vocab_end=(tp_rank + 1) * local_vocab,
-            sequence_parallel=bool(getattr(layer, "sequence_parallel", False)) and tp_size > 1,
+            tp_group=layout.group,
+            tp_rank=layout.rank,
+            tp_size=layout.size,
+            vocab_start=layout.vocab_start,
+            vocab_end=layout.vocab_start + weight.shape[0],
+            sequence_parallel=layout.sequence_parallel,
             cp_group=cp_group,
             cp_size=compat.group_rank_size(cp_group)[1],
         )
@@ -188,7 +186,7 @@ def hooked_class(cls: type) -> type:
     if not compat.is_language_model_class(cls):
         names = ", ".join(compat.language_model_classes())
         raise TypeError(f"cls: expected a subclass of {names}, got {cls!r}")
-    if compat.has_native_hook(cls) or issubclass(cls, compat.BackportHookMixin):
+    if compat.has_native_hook(cls) or issubclass(cls, (compat.BackportHookMixin, compat.NativeMTPHookMixin)):
         return cls
     return compat.backport_class(cls)
 
@@ -211,8 +209,10 @@ def enable_output_processor(model: ModelT) -> ModelT:
 
     ``model`` is a GPTModel, HybridModel or MambaModel (or subclass), possibly inside DDP /
     Float16Module wrappers, or a list of such model chunks (virtual pipeline). Where the class
-    already has the hook nothing changes; otherwise only this instance's class is switched to
-    :func:`hooked_class` (never a global patch). Idempotent; returns ``model``.
+    already has the hook nothing changes, unless the instance has multi-token prediction on: then
+    it gets the MTP loss hook (:mod:`mcore_hooks.mtp`) over the native call. Otherwise only this
+    instance's class is switched to :func:`hooked_class` (never a global patch). Idempotent;
+    returns ``model``.
     """
     if isinstance(model, (list, tuple)):
         for chunk in model:
@@ -220,6 +220,8 @@ def enable_output_processor(model: ModelT) -> ModelT:
         return model
     inner = compat.unwrap_model(model)
     target = hooked_class(type(inner))
+    if compat.has_native_hook(target) and compat.mtp_enabled(inner):
+        target = compat.native_mtp_class(target)  # upstream's hook, plus the MTP loss hook
     if target is not type(inner):
         inner.__class__ = target
     return model

@@ -35,7 +35,7 @@ import torch
 
 from . import compat
 
-__all__ = ["attach_processor", "check_plan_result"]
+__all__ = ["attach_processor", "attach_mtp_loss", "check_plan_result"]
 
 
 def check_plan_result(result: Any, output_processor: Any) -> None:
@@ -66,7 +66,6 @@ def attach_processor(
     post-process node instead of the output layer, with the keywords ``forward`` would pass.
     Returns ``plan``. Backport only: on 0.18+ ``build_schedule_plan`` does this itself."""
     compat.check_output_processor(output_processor)
-    compat.refuse_mtp(model, "build_schedule_plan")
     state = plan.state
     # As upstream's plan holds them (0.18+), for code that reads them there.
     state.output_processor, state.output_processor_context = output_processor, context
@@ -95,9 +94,12 @@ def attach_processor(
     # Captures the stock callable, the plan's state and the model (which the node holds too),
     # never the node itself: weak_method is there to keep the node free of reference cycles.
     def forward_func(hidden_states: torch.Tensor) -> Any:
-        called, result = compat.call_processor_at_output_layer(
-            model, lambda: stock_forward_func(hidden_states), output_processor, keywords
-        )
+        from .mtp import mtp_loss_hook, mtp_loss_of
+
+        with compat.MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss_of(output_processor), calls):
+            called, result = compat.call_processor_at_output_layer(
+                model, lambda: stock_forward_func(hidden_states), output_processor, keywords, calls
+            )
         if not called:
             raise RuntimeError(
                 "the schedule plan's post-process node returned without reaching the output "
@@ -107,6 +109,25 @@ def attach_processor(
         from megatron.core.transformer.module import float16_to_fp32
 
         return float16_to_fp32(result)
+
+    node.forward_func = forward_func
+    return plan
+
+
+def attach_mtp_loss(model: Any, plan: Any, output_processor: Any) -> Any:
+    """On a native plan (0.18+), run its post-process node with the processor's MTP loss
+    (:mod:`mcore_hooks.mtp`); the processor itself is upstream's to call. Returns ``plan``."""
+    from .mtp import mtp_loss_hook, mtp_loss_of
+
+    mtp_loss = mtp_loss_of(output_processor)
+    node = plan.post_process
+    if node is None or mtp_loss is None or not compat.mtp_enabled(model):
+        return plan
+    stock_forward_func = node.forward_func
+
+    def forward_func(hidden_states: torch.Tensor) -> Any:  # captures no node (see above)
+        with compat.MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss, calls):
+            return stock_forward_func(hidden_states)
 
     node.forward_func = forward_func
     return plan

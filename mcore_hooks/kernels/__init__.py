@@ -38,11 +38,14 @@ _CHUNK_ELEMENTS = 1 << 26
 
 
 class LogprobEntropy(NamedTuple):
-    """Float32 ``[N]`` per token; ``logprob`` is None when no labels were given."""
+    """Per token ``[N]``: float32 ``logprob`` (None when no labels were given), ``entropy`` and
+    ``logz`` (the log of the softmax's normaliser, no gradient); bool ``label_is_argmax``, whether
+    the label is the most likely token (None without labels; MTP's acceptance)."""
 
     logprob: Optional[torch.Tensor]
     entropy: torch.Tensor
     logz: torch.Tensor
+    label_is_argmax: Optional[torch.Tensor] = None
 
 
 def default_chunk_size(local_vocab: int) -> int:
@@ -80,8 +83,10 @@ def linear_logprob_entropy(
     """
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
                  chunk_size, backend)
-    logprob, entropy, logz = _log_softmax_stats(hidden, weight, p, parallel)
-    return LogprobEntropy(logprob if labels is not None else None, entropy, logz)
+    logprob, entropy, logz, best = _log_softmax_stats(hidden, weight, p, parallel)
+    if labels is None:
+        return LogprobEntropy(None, entropy, logz)
+    return LogprobEntropy(logprob, entropy, logz, best)
 
 
 def linear_cross_entropy(
@@ -125,7 +130,7 @@ def linear_cross_entropy(
     need_x = hidden.requires_grad and torch.is_grad_enabled()
     need_w = weight.requires_grad and torch.is_grad_enabled()
     if not (need_x or need_w):
-        logprob, _, _ = _log_softmax_stats(hidden, weight, p, parallel)
+        logprob = _log_softmax_stats(hidden, weight, p, parallel)[0]
         return -(logprob * tw).sum()
     return LinearCrossEntropy.apply(
         hidden, weight, p.labels, p.coef, tw, p.valid, int(parallel.vocab_start), p.group, p.sp,
@@ -134,7 +139,8 @@ def linear_cross_entropy(
 
 
 def _log_softmax_stats(hidden, weight, p: "_Prepared", parallel: VocabParallel):
-    """(log-prob, entropy, logZ) per token: the 2NHV pass, logits recomputed in the backward."""
+    """(log-prob, entropy, logZ, label is argmax) per token: the 2NHV pass, logits recomputed in
+    the backward."""
     return LinearLogSoftmaxStats.apply(
         hidden, weight, p.labels, p.coef, p.valid, int(parallel.vocab_start), p.group, p.sp,
         p.chunk_size, p.backend,

@@ -129,6 +129,13 @@ def combine(stats: LocalStats, group) -> GlobalStats:
     return GlobalStats(gmax, log_s, log_s - a / s, target)
 
 
+def label_is_row_max(stats: GlobalStats) -> torch.Tensor:
+    """Whether each token's label logit is the largest of its row (the label is the argmax):
+    MTP acceptance. The label's logit may be summed in another order than the row's maximum
+    (the Triton backend's separate dot), so equality is taken to 8 float32 ulps of the maximum."""
+    return stats.target >= stats.max - stats.max.abs().clamp(min=1.0) * 2.0**-20
+
+
 def local_labels(labels, valid, vocab_start: int, v_local: int) -> torch.Tensor:
     """Labels as rows of this rank's shard; -1 where the rank does not own the label (or the
     position is ignored)."""
@@ -154,14 +161,15 @@ class LinearLogSoftmaxStats(torch.autograd.Function):
         logprob = torch.where(valid, st.logprob(), 0.0)
         entropy = torch.where(valid, st.entropy, 0.0)
         logz = st.max + st.log_s
+        label_is_argmax = valid & label_is_row_max(st)
         ctx.save_for_backward(x, weight, local_label, coef, valid, st.max, st.log_s, entropy)
         ctx.group, ctx.sequence_parallel = group, sequence_parallel
         ctx.chunk_size, ctx.backend, ctx.hidden_shape = chunk_size, backend, hidden.shape
-        ctx.mark_non_differentiable(logz)
-        return logprob, entropy, logz
+        ctx.mark_non_differentiable(logz, label_is_argmax)
+        return logprob, entropy, logz, label_is_argmax
 
     @staticmethod
-    def backward(ctx, d_logprob, d_entropy, _d_logz):
+    def backward(ctx, d_logprob, d_entropy, _d_logz, _d_argmax):
         x, weight, local_label, coef, valid, m, log_s, entropy = ctx.saved_tensors
         zero = torch.zeros_like(m)
         g1 = torch.where(valid, d_logprob.float(), zero) if d_logprob is not None else zero

@@ -23,6 +23,7 @@ from ..kernels import (
     linear_cross_entropy,
     linear_logprob_entropy,
 )
+from ..mtp import MTPDepth, MTPLoss, fused_mtp_loss
 from ..postprocess import PostprocessContext, PostprocessProcessor
 from .labels import labels_from_input_ids, per_token_temperature
 
@@ -95,6 +96,15 @@ class _FusedProcessor(PostprocessProcessor):
         self.ignore_index = ignore_index
         self.chunk_size = chunk_size
         self.backend = backend
+
+    def mtp_loss(self, depth: MTPDepth) -> MTPLoss:
+        """The multi-token-prediction depths' loss (:mod:`mcore_hooks.mtp`): the fused
+        cross-entropy kernel with this processor's ``backend``, ``chunk_size`` and
+        ``ignore_index``, no temperature (MTP's loss is a training loss), acceptance from the
+        same pass. No depth builds ``[tokens, vocab]`` logits."""
+        return fused_mtp_loss(
+            depth, backend=self.backend, chunk_size=self.chunk_size, ignore_index=self.ignore_index
+        )
 
     def labels(self, ctx: PostprocessContext) -> torch.Tensor:
         """``ctx.labels``, or next-token labels from ``input_ids`` (per sequence when packed)."""

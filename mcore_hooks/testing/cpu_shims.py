@@ -364,12 +364,15 @@ class _TorchWithCpuDevice(types.ModuleType):
 
 # Megatron modules whose buffers are allocated with torch.cuda.current_device() on the CPU-test
 # path: TP/SP mappings (gather/reduce-scatter outputs), the linear layers' SP all-gather/reduce-
-# scatter in forward/backward, TP split/gather helpers and the global memory buffer.
+# scatter in forward/backward, TP split/gather helpers, the global memory buffer, and the MTP
+# loss's logging tracker.
 _DEVICE_REDIRECTED_MODULES = (
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.tensor_parallel.layers",
     "megatron.core.tensor_parallel.utils",
     "megatron.core.utils",
+    # MTPLossLoggingHelper's tracker (0.14+) and roll_tensor's CP buffers
+    "megatron.core.transformer.multi_token_prediction",
 )
 
 _DEPTH = 0  # nesting depth of cpu_shims() scopes in this process

@@ -46,6 +46,8 @@ class TinyModelConfig:
     max_sequence_length: int = 32
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
+    mtp_num_layers: int = 0  # multi-token prediction depths (GPTModel; 0: off)
+    mtp_detach_heads: bool = False  # Megatron Core 0.19+
 
 
 def available_model_classes() -> tuple[str, ...]:
@@ -126,6 +128,23 @@ def _gpt_block_spec(cfg: TinyModelConfig) -> Any:
     return TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_layers, layer_norm=CpuNorm)
 
 
+def _mtp_block_spec(config: Any) -> Any:
+    """The stock local MTP block spec around the CPU layer recipe, its norms (which the local
+    provider makes WrappedTorchNorm, refusing sequence parallel) swapped for CpuNorm."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    block = get_gpt_mtp_block_spec(config, _local_layer_submodules(), use_transformer_engine=False)
+    layers = []
+    for spec in block.layer_specs:
+        spec = copy.deepcopy(spec)
+        for norm in ("enorm", "hnorm", "layer_norm"):
+            if hasattr(spec.submodules, norm):
+                setattr(spec.submodules, norm, CpuNorm)
+        layers.append(spec)
+    block.layer_specs = layers
+    return block
+
+
 def _hybrid_stack() -> tuple[type, type]:
     """(stack class, submodules class): HybridStack from 0.18 (MambaModel uses it too), else
     MambaStack."""
@@ -202,6 +221,11 @@ def _transformer_config(cfg: TinyModelConfig, tp: int) -> Any:
     )
     if cfg.params_dtype != torch.float32:
         kwargs["pipeline_dtype"] = cfg.params_dtype
+    if cfg.mtp_num_layers:
+        # mtp_loss_scaling_factor has no default before 0.16
+        kwargs.update(mtp_num_layers=cfg.mtp_num_layers, mtp_loss_scaling_factor=0.1)
+        if cfg.mtp_detach_heads:
+            kwargs["mtp_detach_heads"] = True  # 0.19+: TypeError on older releases
     return TransformerConfig(**kwargs)
 
 
@@ -272,8 +296,12 @@ def _construct(cfg: TinyModelConfig, model_cls: type, config: Any) -> torch.nn.M
         position_embedding_type="learned_absolute",
     )
     if cfg.model_class == "gpt":
+        if cfg.mtp_num_layers:
+            common["mtp_block_spec"] = _mtp_block_spec(config)
         torch.manual_seed(cfg.seed)
         return model_cls(transformer_layer_spec=_gpt_block_spec(cfg), **common)
+    if cfg.mtp_num_layers:
+        raise NotImplementedError("build_tiny_model builds multi-token prediction on GPTModel only")
 
     params = _init_params(model_cls)
     # Keyword names changed across versions: the stack spec is mamba_stack_spec (<= 0.17) or
