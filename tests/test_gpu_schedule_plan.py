@@ -14,6 +14,7 @@ Run:  python -m pytest -s -m gpu tests/test_gpu_schedule_plan.py   (prints the m
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -165,6 +166,68 @@ def _combined_1f1b(rank: int) -> dict:
         parallel_state.destroy_model_parallel()
 
 
+def _mtp_plan(rank: int) -> dict:
+    """A MoE GPTModel with one MTP layer (the most upstream's plan allows), expert parallel 2:
+    the plan built and run directly (as upstream's plan tests run it), stock against the fused
+    MTP loss through ``LinearCEProcessor``; the per-token loss, the MTP tracker and every
+    gradient."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan as P
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from mcore_hooks import enable_output_processor
+    from mcore_hooks.processors import LinearCEProcessor
+
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    tensor_parallel.model_parallel_cuda_manual_seed(5)
+    try:
+        try:
+            from megatron.core.pipeline_parallel.utils import set_streams
+
+            set_streams()
+        except ImportError:
+            pass
+        config = dataclasses.replace(_moe_config(False), mtp_num_layers=1, mtp_loss_scaling_factor=0.1)
+        spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+
+        def build():
+            return GPTModel(
+                config, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False),
+            ).cuda().bfloat16().train()
+
+        stock = build()
+        ours = enable_output_processor(build())
+        ours.load_state_dict(stock.state_dict())
+        batch = _batches(rank, 1)[0]
+
+        def run(model, **hook):
+            model.zero_grad(set_to_none=True)
+            MTPLossLoggingHelper.tracker.clear()
+            plan = model.build_schedule_plan(**batch, **hook)
+            out = P.run(plan, None)
+            P.run(None, plan, b_grad=torch.ones_like(out))
+            torch.cuda.synchronize()
+            tracked = {k: v.float().clone() for k, v in MTPLossLoggingHelper.tracker.items() if torch.is_tensor(v)}
+            grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+            return out.detach().float(), tracked, grads
+
+        out_a, tr_a, g_a = run(ours, output_processor=LinearCEProcessor())
+        out_b, tr_b, g_b = run(stock)
+        assert tr_a.keys() == tr_b.keys() and tr_a, (tr_a, tr_b)
+        per = {n: _diff(g_a[n], g_b[n]) for n in g_b}
+        assert g_a.keys() == g_b.keys()
+        worst = max(per, key=lambda n: per[n][1])
+        return dict(loss_max_abs=_diff(out_a, out_b)[0],
+                    tracker_max_abs=max(_diff(tr_a[k], tr_b[k])[0] for k in tr_a),
+                    grad_max_rel=per[worst][1], worst_param=worst, params=len(per))
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 def _dense_config(pp: int):
     from megatron.core.transformer import TransformerConfig
 
@@ -229,7 +292,8 @@ def _worker(rank: int, port: int, part: str, queue) -> None:
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=300))
         try:
-            queue.put((rank, (_combined_1f1b if part == "combined" else _pipeline_2)(rank), None))
+            part_fn = {"combined": _combined_1f1b, "pipeline": _pipeline_2, "mtp_plan": _mtp_plan}[part]
+            queue.put((rank, part_fn(rank), None))
         finally:
             dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
@@ -286,3 +350,14 @@ def test_pipeline_parallel_2_processor_on_the_last_stage_only():
         assert row["grad_max_rel"] < BF16_GRAD, row
     last = by_stage[1]
     assert last["logprob_max_abs"] < 1e-2 and last["entropy_max_abs"] < 1e-2, last
+
+
+def test_mtp_through_the_plan_uses_the_fused_loss_and_equals_stock():
+    from megatron.core.models.gpt import GPTModel
+
+    if not hasattr(GPTModel, "build_schedule_plan"):
+        pytest.skip("no combined-1F1B schedule plan before Megatron Core 0.14")
+    for row in _on_two_gpus("mtp_plan"):
+        # bf16 logits (stock) against fp32 logits (fused): values to bf16 rounding
+        assert row["loss_max_abs"] < 5e-2 and row["tracker_max_abs"] < 5e-2, row
+        assert row["grad_max_rel"] < 2e-2, row

@@ -339,18 +339,6 @@ def test_stock_class_without_hook_rejects_processor_keyword():
         model(**tiny_batch(cfg), output_processor=DefaultProcessor())
 
 
-def test_backport_refuses_mtp_clearly():
-    cfg = TinyModelConfig()
-    model = build_tiny_model(cfg, model_cls=compat.backport_class(stock_model_class("gpt")))
-    old = model.config.mtp_num_layers
-    model.config.mtp_num_layers = 1  # only the backport's up-front check reads it
-    try:
-        with pytest.raises(NotImplementedError, match="multi-token prediction"):
-            model(**tiny_batch(cfg), output_processor=DefaultProcessor())
-    finally:
-        model.config.mtp_num_layers = old
-
-
 def test_full_sequence_logits_flag_is_restored():
     import types
 

@@ -239,19 +239,6 @@ def test_results_the_plan_cannot_take_give_a_clear_error(result, says):
         run_plan(model, tiny_batch(cfg), output_processor=LogprobEntropyProcessor())
 
 
-@needs_plan
-@pytest.mark.skipif(NATIVE, reason="0.18+: native (the MTP step runs before the processor)")
-def test_backport_refuses_mtp_under_the_plan_clearly():
-    cfg = TinyModelConfig()
-    model = build_tiny_model(cfg, model_cls=hooked_class(GPT))
-    model.config.mtp_num_layers = 1  # only the backport's up-front check reads it
-    try:
-        with pytest.raises(NotImplementedError, match="multi-token prediction"), schedule_plan_on_cpu():
-            model.build_schedule_plan(**tiny_batch(cfg), output_processor=DefaultProcessor())
-    finally:
-        model.config.mtp_num_layers = None
-
-
 def test_classes_without_a_plan_say_so():
     for name in available_model_classes():
         cfg = TinyModelConfig(model_class=name)
