@@ -222,7 +222,8 @@ def _mtp_plan(rank: int) -> dict:
         assert g_a.keys() == g_b.keys()
         worst = max(per, key=lambda n: per[n][1])
         return dict(loss_max_abs=_diff(out_a, out_b)[0],
-                    tracker_max_abs=max(_diff(tr_a[k], tr_b[k])[0] for k in tr_a),
+                    tracker_max_abs={k: _diff(tr_a[k], tr_b[k])[0] for k in tr_a},
+                    tracker_stock={k: v.tolist() for k, v in tr_b.items()},
                     grad_max_rel=per[worst][1], worst_param=worst, params=len(per))
     finally:
         parallel_state.destroy_model_parallel()
@@ -358,6 +359,12 @@ def test_mtp_through_the_plan_uses_the_fused_loss_and_equals_stock():
     if not hasattr(GPTModel, "build_schedule_plan"):
         pytest.skip("no combined-1F1B schedule plan before Megatron Core 0.14")
     for row in _on_two_gpus("mtp_plan"):
-        # bf16 logits (stock) against fp32 logits (fused): values to bf16 rounding
-        assert row["loss_max_abs"] < 5e-2 and row["tracker_max_abs"] < 5e-2, row
+        # Stock's logits are rounded to bf16, the fused kernel's are not: losses agree to bf16
+        # rounding, and an acceptance (0.19) can differ where two logits tie in bf16.
+        diffs, stock = row["tracker_max_abs"], row["tracker_stock"]
+        assert row["loss_max_abs"] < 5e-2, row
+        assert diffs.get("loss_values", diffs.get("values", 1.0)) < 5e-2, row
+        if "correct_values" in diffs:
+            assert diffs["total_values"] == 0, row
+            assert diffs["correct_values"] <= 0.02 * max(stock["total_values"]), row
         assert row["grad_max_rel"] < 2e-2, row
