@@ -4,7 +4,8 @@
 Against stock MTP on the same weights: the main output, the MTP logging tracker (loss; 0.19:
 correct and total), and every parameter's gradient; 1 and 2 depths, tied and untied, packed
 sequences, labels given and derived, TP=2 with sequence parallel on and off, ``mtp_detach_heads``
-where the release has it. The output layer's own forward never runs for any depth (nor the main
+where the release has it (MTP under the schedule plan: tests/test_gpu_schedule_plan.py, which
+needs MoE layers). The output layer's own forward never runs for any depth (nor the main
 head's), and no ``[tokens, vocab]`` tensor is made.
 """
 
@@ -17,16 +18,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mcore_hooks import DefaultProcessor, LinearCEProcessor, LogprobEntropyProcessor, enable_output_processor
 from mcore_hooks.testing import (
     TinyModelConfig,
+    available_model_classes,
     build_tiny_model,
     run_on_ranks,
-    schedule_plan_on_cpu,
-    stock_model_class,
     supports_packed_sequences,
     tiny_batch,
 )
 
 pytestmark = pytest.mark.usefixtures("mp1")
-GPT = stock_model_class("gpt")
 
 
 def _tracker() -> dict:
@@ -102,6 +101,15 @@ def _pair(cfg):
     return stock, ours
 
 
+def _mtp_pair(cfg):
+    if cfg.model_class not in available_model_classes():
+        pytest.skip(f"no {cfg.model_class} model class on this release")
+    try:
+        return _pair(cfg)
+    except NotImplementedError as e:  # Hybrid/Mamba MTP: 0.18+
+        pytest.skip(str(e))
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("depths", [1, 2])
@@ -120,6 +128,16 @@ def test_fused_mtp_equals_stock_mtp(depths, tied, packed):
     _compare(got, ref)
     if "correct_values" in got[1]:  # 0.19 logs acceptance: some predictions were right
         assert got[1]["correct_values"][0] > 0
+
+
+@pytest.mark.parametrize("model_class", ["hybrid", "mamba"])
+def test_fused_mtp_on_hybrid_and_mamba_models(model_class):
+    """HybridModel / MambaModel (0.18+: MTP from the layer pattern's MTP part) through the same
+    MTP loss, backported hook and all."""
+    cfg = TinyModelConfig(model_class=model_class, mtp_num_layers=2, tied=False)
+    stock, ours = _mtp_pair(cfg)
+    batch = _accepting_labels(stock, tiny_batch(cfg))
+    _compare(_run(ours, batch, LinearCEProcessor()), _run(stock, batch))
 
 
 def test_custom_processor_without_mtp_loss_keeps_stock_mtp():
@@ -223,33 +241,3 @@ def test_tensor_parallel_2_with_and_without_sequence_parallel():
     for sp in (False, True):
         trackers = run_on_ranks(_tp2_mtp, 2, sp)
         assert trackers[0] == trackers[1]  # every TP rank logs the same
-
-
-# --------------------------------------------------------------------------- schedule plan
-
-
-@pytest.mark.skipif(not hasattr(GPT, "build_schedule_plan"), reason="no schedule plan before 0.14")
-def test_mtp_under_the_schedule_plan():
-    """One MTP layer, as upstream allows under the plan: the plan's post-process node computes
-    the MTP loss with the processor's mtp_loss too, equal to the stock plan."""
-    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan as P
-
-    cfg = TinyModelConfig(mtp_num_layers=1, tied=False)
-    stock, ours = _pair(cfg)
-    batch = tiny_batch(cfg)
-
-    def plan_run(model, **hook):
-        model.zero_grad(set_to_none=True)
-        _tracker().clear()
-        model.train()
-        with schedule_plan_on_cpu():
-            plan = model.build_schedule_plan(**batch, **hook)
-            out = P.run(plan, None)
-            P.run(None, plan, b_grad=torch.ones_like(out))
-        return out.detach(), _tracked(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    try:
-        ref = plan_run(stock)
-    except (AssertionError, ValueError) as e:  # the plan's MTP callables on this release
-        pytest.skip(f"the stock schedule plan cannot run a dense MTP layer here: {e}")
-    _compare(plan_run(ours, output_processor=LinearCEProcessor()), ref)

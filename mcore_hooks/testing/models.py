@@ -46,7 +46,7 @@ class TinyModelConfig:
     max_sequence_length: int = 32
     params_dtype: torch.dtype = torch.float32
     seed: int = 1234
-    mtp_num_layers: int = 0  # multi-token prediction depths (GPTModel; 0: off)
+    mtp_num_layers: int = 0  # multi-token prediction depths (GPTModel; HybridModel 0.18+; 0: off)
     mtp_detach_heads: bool = False  # Megatron Core 0.19+
 
 
@@ -158,7 +158,7 @@ def _hybrid_stack() -> tuple[type, type]:
         return MambaStack, MambaStackSubmodules
 
 
-def _hybrid_stack_spec() -> Any:
+def _hybrid_stack_spec(mtp: bool = False) -> Any:
     """Hybrid/Mamba stack spec with attention ('*') and MLP ('-') layers only.
 
     Mamba layers ('M') need CUDA-only packages (mamba_ssm, causal_conv1d), so they are left as the
@@ -187,15 +187,41 @@ def _hybrid_stack_spec() -> Any:
             mlp_bda=local.submodules.mlp_bda,
         ),
     )
+    submodules = submodules_cls(attention_layer=attention_layer, mlp_layer=mlp_layer)
+    if mtp and hasattr(submodules, "mtp_block_spec"):
+        submodules.mtp_block_spec = _hybrid_mtp_block_spec()
+    return ModuleSpec(module=stack_cls, submodules=submodules)
+
+
+def _hybrid_mtp_block_spec() -> Any:
+    """HybridModel's MTP block (0.18+): norms and projection here, the inner layers built from the
+    MTP part of the pattern; upstream's recipe with TE swapped for CpuNorm / ColumnParallelLinear."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    layer = ModuleSpec(
+        module=MultiTokenPredictionLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=CpuNorm, hnorm=CpuNorm, eh_proj=ColumnParallelLinear, mtp_model_layer=None,
+            layer_norm=CpuNorm,
+        ),
+    )
     return ModuleSpec(
-        module=stack_cls,
-        submodules=submodules_cls(attention_layer=attention_layer, mlp_layer=mlp_layer),
+        module=MultiTokenPredictionBlock,
+        submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[layer]),
     )
 
 
-def _hybrid_pattern(num_layers: int) -> str:
-    # Alternate attention and MLP layers, like a transformer: "*-*-...".
-    return ("*-" * num_layers)[:num_layers]
+def _hybrid_pattern(num_layers: int, mtp_depths: int = 0) -> str:
+    # Alternate attention and MLP layers, like a transformer: "*-*-..."; each MTP depth is one
+    # attention and one MLP layer ("main/mtp/mtp", 0.18+).
+    return ("*-" * num_layers)[:num_layers] + "/*-" * mtp_depths
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,8 +326,11 @@ def _construct(cfg: TinyModelConfig, model_cls: type, config: Any) -> torch.nn.M
             common["mtp_block_spec"] = _mtp_block_spec(config)
         torch.manual_seed(cfg.seed)
         return model_cls(transformer_layer_spec=_gpt_block_spec(cfg), **common)
-    if cfg.mtp_num_layers:
-        raise NotImplementedError("build_tiny_model builds multi-token prediction on GPTModel only")
+    if cfg.mtp_num_layers and "hybrid_layer_pattern" not in _init_params(model_cls):
+        raise NotImplementedError(
+            "multi-token prediction on HybridModel/MambaModel needs Megatron Core 0.18+ "
+            "(the hybrid layer pattern's MTP part)"
+        )
 
     params = _init_params(model_cls)
     # Keyword names changed across versions: the stack spec is mamba_stack_spec (<= 0.17) or
@@ -311,9 +340,9 @@ def _construct(cfg: TinyModelConfig, model_cls: type, config: Any) -> torch.nn.M
     pattern_kw = (
         "hybrid_layer_pattern" if "hybrid_layer_pattern" in params else "hybrid_override_pattern"
     )
-    stack_spec = _hybrid_stack_spec()
+    stack_spec = _hybrid_stack_spec(mtp=bool(cfg.mtp_num_layers))
     common[spec_kw] = stack_spec
-    common[pattern_kw] = _hybrid_pattern(cfg.num_layers)
+    common[pattern_kw] = _hybrid_pattern(cfg.num_layers, cfg.mtp_num_layers)
     # The stack builds its final norm with TENorm whatever the spec says: swap it for CpuNorm
     # only while constructing.
     with te_norm_replaced(stack_spec.module.__module__):
