@@ -341,6 +341,17 @@ def mtp_enabled(model: torch.nn.Module) -> bool:
     return bool(getattr(model.config, "mtp_num_layers", None))
 
 
+@functools.lru_cache(maxsize=None)
+def native_mtp_loss_fn() -> bool:
+    """Whether Megatron Core's ``process_mtp_loss`` takes a per-depth ``mtp_loss_fn`` itself (and
+    the models pass the processor's): then the processor's MTP loss needs no stand-ins."""
+    try:
+        from megatron.core.transformer.multi_token_prediction import process_mtp_loss
+    except ImportError:
+        return False
+    return "mtp_loss_fn" in inspect.signature(process_mtp_loss).parameters
+
+
 class MTPCalls:
     """Which of one forward's output-layer calls compute a multi-token-prediction depth's logits.
 

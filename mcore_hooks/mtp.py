@@ -107,6 +107,33 @@ def fused_mtp_loss(
     return MTPLoss((-r.logprob).view(s, b).t(), r.label_is_argmax.view(s, b).t())
 
 
+def keyword_mtp_loss_fn(mtp_loss: MTPLossFn) -> Callable[..., tuple]:
+    """``mtp_loss`` in the keyword form of ``upstream/0002-process-mtp-loss-callable.patch``
+    (``process_mtp_loss(mtp_loss_fn=...)``): called with the depth's ``hidden_states``, rolled
+    ``labels`` and ``loss_mask``, ``output_layer``, ``output_weight``, ``scale_logits_fn``,
+    ``depth`` and ``config``, it returns ``(loss, correct, total)``, the counts over the mask."""
+
+    def mtp_loss_fn(*, hidden_states: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+                    output_layer: Any, output_weight: Optional[torch.Tensor],
+                    scale_logits_fn: Optional[Callable[[torch.Tensor], torch.Tensor]], depth: int,
+                    config: Any, **_: Any) -> tuple:
+        weight = output_layer.weight if output_weight is None else output_weight
+        layout = compat.vocab_layout(output_layer, weight)
+        scale = 1.0 if scale_logits_fn is None else compat.logit_scale(scale_logits_fn, config)
+        result = mtp_loss(MTPDepth(
+            hidden_states=hidden_states, labels=labels, weight=weight, output_layer=output_layer,
+            logit_scale=scale, depth=depth, num_depths=int(config.mtp_num_layers), config=config,
+            tp_group=layout.group, tp_rank=layout.rank, tp_size=layout.size,
+            vocab_start=layout.vocab_start, sequence_parallel=layout.sequence_parallel,
+        ))
+        counted = loss_mask.bool()
+        if result.accepted is None:
+            raise TypeError("mtp_loss: Megatron Core's MTP logging needs MTPLoss.accepted")
+        return result.loss, (result.accepted & counted).sum().float(), counted.sum().float()
+
+    return mtp_loss_fn
+
+
 def mtp_loss_of(output_processor: Any) -> Optional[MTPLossFn]:
     """The processor's MTP callable (its ``mtp_loss`` attribute), or None for stock MTP."""
     fn = getattr(output_processor, "mtp_loss", None)

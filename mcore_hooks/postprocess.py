@@ -160,6 +160,16 @@ class PostprocessProcessor(abc.ABC):
     def __call__(self, **kwargs: Any) -> Any:
         return self.process(PostprocessContext.from_kwargs(kwargs))
 
+    @property
+    def mtp_loss_fn(self) -> Optional[Callable[..., tuple]]:
+        """This processor's ``mtp_loss`` in the keyword form a Megatron Core whose
+        ``process_mtp_loss`` takes ``mtp_loss_fn`` calls (``upstream/`` patch 0002); None
+        without an ``mtp_loss`` (stock MTP)."""
+        from .mtp import keyword_mtp_loss_fn, mtp_loss_of
+
+        mtp_loss = mtp_loss_of(self)
+        return None if mtp_loss is None else keyword_mtp_loss_fn(mtp_loss)
+
     @abc.abstractmethod
     def process(self, ctx: PostprocessContext) -> Any:
         """Return the model's output for this forward (a tensor, tuple of tensors, or dict)."""
@@ -220,7 +230,7 @@ def enable_output_processor(model: ModelT) -> ModelT:
         return model
     inner = compat.unwrap_model(model)
     target = hooked_class(type(inner))
-    if compat.has_native_hook(target) and compat.mtp_enabled(inner):
+    if compat.has_native_hook(target) and compat.mtp_enabled(inner) and not compat.native_mtp_loss_fn():
         target = compat.native_mtp_class(target)  # upstream's hook, plus the MTP loss hook
     if target is not type(inner):
         inner.__class__ = target
