@@ -1,13 +1,18 @@
 """Everything that depends on which Megatron Core release is installed, in one place.
 
 Found by feature detection (does a class exist, does a ``forward`` take a keyword), never by
-version strings. Three things live here:
+version strings. What lives here:
 
 * discovery of the language-model classes the hook is delivered for (GPTModel, HybridModel,
   MambaModel) and of whether a class already has upstream's hook (Megatron Core >= 0.18 GPTModel);
+* Megatron's process groups and output-layer layout (rank and size, the CP group, the vocab
+  split), its MuP logit scale, and running an output layer's forward pre-hooks as torch would;
 * upstream's call convention: the 16 keywords a processor is called with, and the check that a
   processor can take them;
-* :class:`BackportHookMixin`, which delivers that exact call on classes without the hook.
+* which output-layer calls are multi-token-prediction depths (:class:`MTPCalls`);
+* :class:`BackportHookMixin`, which delivers that exact call on classes without the hook (in
+  ``forward`` and ``build_schedule_plan``), and :class:`NativeMTPHookMixin`, which adds the MTP
+  loss hook (:mod:`mcore_hooks.mtp`) to a native class's instance with MTP on.
 
 How the backport works, and why this way: the stock ``forward`` of every supported class ends by
 calling ``self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=...)`` and
