@@ -33,6 +33,7 @@ KNOWN_NOTES: tuple[str, ...] = (
     r"No CUDA runtime is found",
     r"The 'megatron\.core\.transformer\.custom_layers\.transformer_engine' \s*module is deprecated",
     r"MLP requires ffn_hidden_size",
+    r"Encoder-specific pipeline parallelism functionality is deprecated",  # 0.13's layers
     r"The following imports from `dynamic_context\.py` will be removed",
     r"`torch\.jit\.script(_method)?` is deprecated",  # Megatron's jit-scripted fusions
     r"Warning\x3a tp_group is None, using default tp group",  # \x3a: a colon (filter syntax)
