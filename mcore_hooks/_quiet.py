@@ -31,6 +31,7 @@ KNOWN_NOTES: tuple[str, ...] = (
     r"GPTModel IS DEPRECATED",
     r"MambaModel has been deprecated",
     r"No CUDA runtime is found",
+    r"Failed to create unified memory mempool",  # 0.15's inference module, imported without CUDA
     r"The 'megatron\.core\.transformer\.custom_layers\.transformer_engine' \s*module is deprecated",
     r"MLP requires ffn_hidden_size",
     r"Encoder-specific pipeline parallelism functionality is deprecated",  # 0.13's layers
