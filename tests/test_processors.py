@@ -550,3 +550,21 @@ def test_logit_scale_is_read_from_megatrons_config():
         assert scale == 0.37 and CountOps.count == 0  # read, not probed
     finally:
         model.config.use_mup, model.config.mup_output_mult = False, 1.0
+
+
+def test_packed_labels_and_temperatures_follow_padded_sequences():
+    """THD batches with per-sequence padding (cu_seqlens_q_padded): each sequence's labels are
+    its own next tokens, its last token and its padding are ignored, and its temperature covers
+    its padded span."""
+    from mcore_hooks.processors.labels import per_token_temperature
+
+    params = types.SimpleNamespace(
+        qkv_format="thd",
+        cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32),  # lengths 3 and 2
+        cu_seqlens_q_padded=torch.tensor([0, 4, 8], dtype=torch.int32),  # padded to 4 each
+    )
+    ids = torch.arange(100, 109).unsqueeze(0)  # 9 positions: the last is trailing padding
+    labels = labels_from_input_ids(ids, -100, params)
+    assert labels.tolist() == [[101, 102, -100, -100, 105, -100, -100, -100, -100]]
+    t = per_token_temperature(torch.tensor([0.5, 2.0]), 1, 9, params)
+    assert t.tolist() == [0.5] * 4 + [2.0] * 5

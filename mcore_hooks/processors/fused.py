@@ -106,6 +106,11 @@ class _FusedProcessor(PostprocessProcessor):
             depth, backend=self.backend, chunk_size=self.chunk_size, ignore_index=self.ignore_index
         )
 
+    def temperature_for(self, ctx: PostprocessContext) -> Union[float, torch.Tensor]:
+        """The temperature of this call: the processor's own (a subclass may take it from the
+        call, e.g. from ``ctx.context``)."""
+        return self.temperature
+
     def labels(self, ctx: PostprocessContext) -> torch.Tensor:
         """``ctx.labels``, or next-token labels from ``input_ids`` (per sequence when packed)."""
         if ctx.labels is not None:
@@ -139,7 +144,7 @@ class _FusedProcessor(PostprocessProcessor):
                 )
             flat_labels = labels.t().reshape(-1)  # [s*b], s-major like the hidden states
         kwargs = dict(
-            temperature=per_token_temperature(self.temperature, b, s, ctx.packed_seq_params),
+            temperature=per_token_temperature(self.temperature_for(ctx), b, s, ctx.packed_seq_params),
             logit_scale=ctx.logit_scale(),
             ignore_index=self.ignore_index,
             parallel=VocabParallel(ctx.tp_group, ctx.vocab_start, ctx.sequence_parallel),

@@ -1,0 +1,275 @@
+"""The verl and NeMo RL processors against the formulas those frameworks document and against the
+stock path (values and gradients), TP 1 and 2, sequence parallel on and off, packed batches; and
+their modules import without verl or NeMo RL installed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from mcore_hooks import enable_output_processor
+from mcore_hooks.integrations.nemo_rl import NemoRLLogprobProcessor
+from mcore_hooks.integrations.verl import (
+    FusedOutputProcessorContext,
+    VerlFusedOutput,
+    VerlFusedProcessor,
+)
+from mcore_hooks.testing import TinyModelConfig, build_tiny_model, run_on_ranks, tiny_batch
+
+pytestmark = pytest.mark.usefixtures("mp1")
+T = 0.7
+
+
+def test_modules_import_without_the_frameworks():
+    code = (
+        "import sys; import mcore_hooks.integrations.verl, mcore_hooks.integrations.nemo_rl; "
+        "assert not any(m.split('.')[0] in ('verl', 'nemo_rl') for m in sys.modules), "
+        "[m for m in sys.modules if m.split('.')[0] in ('verl', 'nemo_rl')]"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+
+
+def _stock_logits(model, batch) -> torch.Tensor:
+    """The stock model's logits ``[b, s, V]`` (gathered over TP), float32."""
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "loss_mask")}
+    return model(**inputs, runtime_gather_output=True).float()
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _close_grads(a: dict, b: dict, tol: float = 1e-5) -> None:
+    assert a.keys() == b.keys() and a
+    for n in a:
+        rel = ((a[n] - b[n]).norm() / b[n].norm().clamp(min=1e-30)).item()
+        assert rel < tol, (n, rel)
+
+
+# --------------------------------------------------------------------------- verl
+
+
+def _verl_case(packed: bool, tied: bool, sp: bool = False, per_sample: bool = False):
+    """verl's contract on a packed (or plain) batch, against the formula
+    log_probs = log_softmax(logits / T)[label], entropy = -sum p log p, over the flattened tokens,
+    computed from the stock logits; gradients of every parameter from the same objective."""
+    cfg = TinyModelConfig(tied=tied, sequence_parallel=sp)
+    stock = build_tiny_model(cfg)
+    model = enable_output_processor(build_tiny_model(cfg))
+    batch = tiny_batch(cfg, packed=packed, batch_size=3)
+    labels = batch["labels"]
+    if per_sample:
+        temperature = torch.tensor([0.5, 0.9, 1.3])
+        per_token = torch.tensor([0.5, 0.9, 1.3]).repeat_interleave(
+            batch["packed_seq_params"].cu_seqlens_q.diff().long()
+        ) if packed else torch.tensor([0.5, 0.9, 1.3])[:, None]
+    else:
+        temperature, per_token = T, T
+    seen = {}
+
+    class Capture(VerlFusedProcessor):
+        def process(self, ctx):
+            seen["hidden"] = ctx.hidden_states
+            return super().process(ctx)
+
+    g = torch.Generator().manual_seed(1)
+    out = model(**batch, output_processor=Capture(),
+                output_processor_context=FusedOutputProcessorContext(temperature=temperature))
+    assert isinstance(out, VerlFusedOutput) and out.hidden_states is seen["hidden"]
+    assert out.log_probs.dtype == out.entropy.dtype == torch.float32
+    assert out.log_probs.shape == out.entropy.shape == (labels.numel(),)
+    w1, w2 = torch.rand(labels.numel(), generator=g), torch.rand(labels.numel(), generator=g)
+    (out.log_probs * w1 + out.entropy * w2).sum().backward()
+
+    logits = _stock_logits(stock, batch)  # [b, s, V]
+    scale = per_token.view(1, -1, 1) if packed and per_sample else per_token
+    logp = torch.log_softmax(logits / (scale.unsqueeze(-1) if per_sample and not packed else scale), -1)
+    ref_lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1).reshape(-1)
+    ref_ent = -(logp.exp() * logp).sum(-1).reshape(-1)
+    (ref_lp * w1 + ref_ent * w2).sum().backward()
+    return (out.log_probs.detach(), ref_lp.detach(), out.entropy.detach(), ref_ent.detach(),
+            _grads(model), _grads(stock))
+
+
+@pytest.mark.parametrize("per_sample", [False, True], ids=["float", "per-sample"])
+@pytest.mark.parametrize("packed", [True, False], ids=["thd", "bshd"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_verl_processor_is_verls_formula_and_stock(tied, packed, per_sample):
+    lp, ref_lp, ent, ref_ent, grads, ref_grads = _verl_case(packed, tied, per_sample=per_sample)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+    _close_grads(grads, ref_grads)
+
+
+def _verl_tp2(sp: bool):
+    lp, ref_lp, ent, ref_ent, grads, ref_grads = _verl_case(True, False, sp=sp)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+    _close_grads(grads, ref_grads)
+    return True
+
+
+def test_verl_processor_tensor_parallel_2():
+    for sp in (False, True):
+        assert run_on_ranks(_verl_tp2, 2, sp) == [True, True]
+
+
+def test_verl_options_and_context_errors():
+    cfg = TinyModelConfig()
+    model = enable_output_processor(build_tiny_model(cfg))
+    batch = tiny_batch(cfg)
+    no_entropy = model(**batch, output_processor=VerlFusedProcessor(calculate_entropy=False))
+    assert no_entropy.entropy is None and no_entropy.log_probs.shape == (batch["labels"].numel(),)
+    pair = model(**batch, output_processor=VerlFusedProcessor(as_tuple=True))
+    assert isinstance(pair, tuple) and len(pair) == 2
+    torch.testing.assert_close(pair[0], no_entropy.log_probs)  # no context: temperature 1
+    single = model(**batch, output_processor=VerlFusedProcessor(as_tuple=True, calculate_entropy=False))
+    assert isinstance(single, tuple) and len(single) == 1
+    for bad in (0.0, -1.0, float("nan"), "hot"):
+        with pytest.raises(ValueError, match="output_processor_context.temperature"):
+            model(**batch, output_processor=VerlFusedProcessor(),
+                  output_processor_context=FusedOutputProcessorContext(temperature=bad))
+    with pytest.raises(TypeError, match="output_processor_context: expected an object with a `temperature`"):
+        model(**batch, output_processor=VerlFusedProcessor(), output_processor_context=object())
+    with pytest.raises(TypeError, match="calculate_entropy"):
+        VerlFusedProcessor(calculate_entropy="yes")
+    # any object with a temperature will do
+    duck = model(**batch, output_processor=VerlFusedProcessor(),
+                 output_processor_context=types.SimpleNamespace(temperature=T))
+    ref = model(**batch, output_processor=VerlFusedProcessor(),
+                output_processor_context=FusedOutputProcessorContext(temperature=T))
+    torch.testing.assert_close(duck.log_probs, ref.log_probs, rtol=0, atol=0)
+
+
+def test_verl_processor_with_mtp_uses_the_fused_mtp_loss():
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    cfg = TinyModelConfig(mtp_num_layers=2, tied=False)
+    stock = build_tiny_model(cfg)
+    model = enable_output_processor(build_tiny_model(cfg))
+    batch = tiny_batch(cfg)
+    tracked = []
+    for m, kwargs in ((stock, {}), (model, dict(output_processor=VerlFusedProcessor()))):
+        MTPLossLoggingHelper.tracker.clear()
+        m.train()
+        m(**batch, **kwargs)
+        tracked.append({k: v.clone() for k, v in MTPLossLoggingHelper.tracker.items() if torch.is_tensor(v)})
+    MTPLossLoggingHelper.tracker.clear()
+    assert tracked[0].keys() == tracked[1].keys() and tracked[0]
+    for k in tracked[0]:
+        torch.testing.assert_close(tracked[1][k], tracked[0][k], rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- NeMo RL
+
+
+def _nemo_case(packed: bool, tied: bool, sp: bool = False):
+    """NeMo RL's contract: labels=input_ids, float32 [B, S-1] log-probs of input_ids[:, 1:] from
+    the logits divided by T once; against the stock logits (per packed sequence)."""
+    cfg = TinyModelConfig(tied=tied, sequence_parallel=sp)
+    stock = build_tiny_model(cfg)
+    model = enable_output_processor(build_tiny_model(cfg))
+    batch = {k: v for k, v in tiny_batch(cfg, packed=packed, batch_size=3).items() if k not in ("labels", "loss_mask")}
+    ids = batch["input_ids"]
+    out = model(**batch, labels=ids, output_processor=NemoRLLogprobProcessor(temperature=T))
+    assert out.dtype == torch.float32 and out.shape == (ids.shape[0], ids.shape[1] - 1)
+    w = torch.rand(out.shape, generator=torch.Generator().manual_seed(2))
+    (out * w).sum().backward()
+
+    logp = torch.log_softmax(_stock_logits(stock, batch) / T, -1)[:, :-1]
+    ref = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, S-1]
+    if packed:  # no label crosses a sequence boundary: each sequence's last position gives 0
+        ends = batch["packed_seq_params"].cu_seqlens_q[1:-1].long() - 1
+        ref[:, ends] = 0.0
+    (ref * w).sum().backward()
+    return out.detach(), ref.detach(), _grads(model), _grads(stock)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_nemo_rl_processor_is_the_stock_next_token_logprobs(tied, packed):
+    out, ref, grads, ref_grads = _nemo_case(packed, tied)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    _close_grads(grads, ref_grads)
+
+
+def test_nemo_rl_temperature_divides_the_logits_once():
+    """NeMo RL's loop divides its fused log-probs by T; ours are log_softmax(z / T), not that."""
+    cfg = TinyModelConfig(tied=False)
+    model = enable_output_processor(build_tiny_model(cfg))
+    batch = {k: v for k, v in tiny_batch(cfg).items() if k not in ("labels", "loss_mask")}
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        ours = model(**batch, labels=ids, output_processor=NemoRLLogprobProcessor(temperature=T))
+        at_one = model(**batch, labels=ids, output_processor=NemoRLLogprobProcessor())
+        logits = _stock_logits(model, batch)
+    right = torch.log_softmax(logits / T, -1)[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(ours, right, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ours, at_one / T, rtol=1e-3)  # what dividing the log-probs gives
+
+
+def _nemo_tp2(sp: bool):
+    out, ref, grads, ref_grads = _nemo_case(True, False, sp=sp)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    _close_grads(grads, ref_grads)
+    return True
+
+
+def test_nemo_rl_processor_tensor_parallel_2():
+    for sp in (False, True):
+        assert run_on_ranks(_nemo_tp2, 2, sp) == [True, True]
+
+
+def _nemo_cp():
+    """CP=2 with NeMo RL's load-balanced input sharding: every rank gets the whole [B, S-1]
+    equal to the unsplit run; the hidden-state gradient is NeMo RL's (all-reduced over CP, so
+    cp x the unsplit gradient of this rank's chunks)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_context_parallel_group()
+    rank = parallel_state.get_context_parallel_rank()
+    g = torch.Generator().manual_seed(4)
+    s, b, h, vocab = 8, 2, 16, 40
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(h, vocab, bias=False)
+    hidden = torch.randn(s, b, h, generator=g)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    w = torch.rand(b, s - 1, generator=g)
+
+    class Model:
+        cp_group = group
+
+        def compute_language_model_loss(self, labels, logits):  # pragma: no cover - unused
+            raise AssertionError
+
+    def run(hid, idx, cp_group, cp):
+        hid = hid.clone().requires_grad_()
+        Model.cp_group = cp_group
+        out = NemoRLLogprobProcessor(temperature=T)(
+            hidden_states=hid, output_layer=layer, output_weight=None, labels=idx, loss_mask=None,
+            input_ids=idx, position_ids=None, attention_mask=None, decoder_input=None,
+            inference_context=None, packed_seq_params=None, runtime_gather_output=None, context=None,
+            compute_language_model_loss=Model().compute_language_model_loss, scale_logits=lambda x: x,
+            config=types.SimpleNamespace(context_parallel_size=cp),
+        )
+        (out * w).sum().backward()
+        return out.detach(), hid.grad
+
+    chunks = [slice(i * s // 4, (i + 1) * s // 4) for i in range(4)]
+    mine = [chunks[rank], chunks[3 - rank]]
+    local_h = torch.cat([hidden[c] for c in mine])
+    local_ids = torch.cat([ids[:, c] for c in mine], dim=1)
+    out, dh = run(local_h, local_ids, group, 2)
+    full, dh_full = run(hidden, ids, None, 1)
+    return out, full, dh, torch.cat([dh_full[c] for c in mine]) * 2
+
+
+def test_nemo_rl_processor_context_parallel_2():
+    for out, full, dh, ref in run_on_ranks(_nemo_cp, 2, tp=1, cp=2):
+        torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dh, ref, rtol=1e-5, atol=1e-7)
