@@ -9,15 +9,15 @@ Both must give the same losses and the same updated weights.
 from __future__ import annotations
 
 import sys
-import warnings
 
 import torch
 
-warnings.filterwarnings("ignore")  # Megatron Core's import-time notes about TE/Apex
-
 from mcore_hooks import enable_output_processor
 from mcore_hooks.processors import FusedLogprobProcessor, LogprobEntropyProcessor
-from mcore_hooks.testing import TinyModelConfig, build_tiny_model, model_parallel, tiny_batch
+from mcore_hooks.testing import quiet_megatron
+
+with quiet_megatron():  # Megatron Core's notes about itself on a CPU machine (no TE, no Apex)
+    from mcore_hooks.testing import TinyModelConfig, build_tiny_model, model_parallel, tiny_batch
 
 CLIP, ENTROPY_COEF, LR, TEMPERATURE = 0.2, 0.01, 0.05, 0.9
 
@@ -71,7 +71,7 @@ def grpo_step(model, batches, logprob_entropy, old_logprobs_fn):
 
 
 def main() -> int:
-    with model_parallel(tp=1):
+    with quiet_megatron(), model_parallel(tp=1):
         cfg = TinyModelConfig(model_class="gpt", tied=True)
         stock = build_tiny_model(cfg)
         hooked = enable_output_processor(build_tiny_model(cfg))  # same seed: same weights

@@ -8,25 +8,41 @@ imports; they live only inside a :func:`cpu_shims` scope (entered by the builder
 ``mcore_hooks.verify``), which puts back every patched attribute on exit, never at import time.
 """
 
-from .cpu_shims import (
-    CpuCoreAttention,
-    CpuNorm,
-    CpuRNGStatesTracker,
-    cpu_shims,
-    cpu_shims_installed,
-    schedule_plan_on_cpu,
-)
-from .distributed import DEFAULT_SEED, model_parallel, run_on_ranks
-from .._quiet import KNOWN_NOTES, quiet_megatron
-from .models import (
-    TinyModelConfig,
-    available_model_classes,
-    build_tiny_model,
-    packed_sequence_slices,
-    stock_model_class,
-    supports_packed_sequences,
-    tiny_batch,
-)
+import importlib
+from typing import Any
+
+# Lazy (PEP 562): `from mcore_hooks.testing import quiet_megatron` imports no Megatron Core, so a
+# script can silence Megatron's notes before the rest of this package imports it.
+_WHERE = {
+    "CpuCoreAttention": ".cpu_shims",
+    "CpuNorm": ".cpu_shims",
+    "CpuRNGStatesTracker": ".cpu_shims",
+    "cpu_shims": ".cpu_shims",
+    "cpu_shims_installed": ".cpu_shims",
+    "schedule_plan_on_cpu": ".cpu_shims",
+    "DEFAULT_SEED": ".distributed",
+    "model_parallel": ".distributed",
+    "run_on_ranks": ".distributed",
+    "KNOWN_NOTES": "mcore_hooks._quiet",
+    "quiet_megatron": "mcore_hooks._quiet",
+    "TinyModelConfig": ".models",
+    "available_model_classes": ".models",
+    "build_tiny_model": ".models",
+    "packed_sequence_slices": ".models",
+    "stock_model_class": ".models",
+    "supports_packed_sequences": ".models",
+    "tiny_batch": ".models",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _WHERE[name]
+    value = getattr(importlib.import_module(module, __name__ if module.startswith(".") else None), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CpuCoreAttention",
@@ -48,3 +64,7 @@ __all__ = [
     "supports_packed_sequences",
     "tiny_batch",
 ]
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
