@@ -297,10 +297,17 @@ def logit_scale(scale_logits: Callable[[torch.Tensor], torch.Tensor], config: An
 
 
 def check_output_processor(processor: Any) -> None:
-    """Raise TypeError, naming ``output_processor``, unless it can be called with upstream's keywords.
+    """Check that ``processor`` can be called with upstream's keywords.
 
     A processor must accept all 16 keywords by name (or ``**kwargs``, which also keeps it forward
     compatible with keywords a later Megatron Core may add) and require no other argument.
+
+    Args:
+        processor: the would-be ``output_processor``.
+
+    Raises:
+        TypeError: naming ``output_processor``: a class instead of an instance, not callable, a
+            keyword it cannot take, or an argument the hook never passes.
     """
     if isinstance(processor, type):
         raise TypeError(

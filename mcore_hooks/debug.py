@@ -33,12 +33,23 @@ _ENABLED: Optional[bool] = _from_environment()
 
 
 def debug_checks_enabled() -> Optional[bool]:
-    """True (value checks everywhere), False (nowhere) or None (default: CPU tensors only)."""
+    """The current setting.
+
+    Returns:
+        True (value checks everywhere), False (nowhere) or None (default: CPU tensors only).
+    """
     return _ENABLED
 
 
 def set_debug_checks(enabled: Optional[bool]) -> None:
-    """Value checks everywhere (True), nowhere (False), or on CPU tensors only (None)."""
+    """Turn the checks that read tensor values on or off, for this process.
+
+    Args:
+        enabled: True: everywhere; False: nowhere; None: on CPU tensors only (the default).
+
+    Raises:
+        TypeError: ``enabled`` is not True, False or None.
+    """
     global _ENABLED
     if enabled is not None and not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected True, False or None, got {enabled!r}")
@@ -47,7 +58,14 @@ def set_debug_checks(enabled: Optional[bool]) -> None:
 
 @contextlib.contextmanager
 def debug_checks(enabled: Optional[bool] = True) -> Iterator[None]:
-    """Within the block, :func:`set_debug_checks` ``(enabled)``; the previous setting on exit."""
+    """A context manager: within the block, :func:`set_debug_checks` ``(enabled)``.
+
+    Args:
+        enabled: as for :func:`set_debug_checks`.
+
+    Yields:
+        Nothing; the previous setting is restored on exit.
+    """
     previous = _ENABLED
     set_debug_checks(enabled)
     try:

@@ -46,13 +46,24 @@ __all__ = ["MTPDepth", "MTPLoss", "MTPLossFn", "DeferredLogits", "fused_mtp_loss
 class MTPDepth:
     """What one MTP depth's loss is computed from.
 
-    ``hidden_states``: that depth's ``[s, b, h]`` (this rank's ``[s/tp, b, h]`` shard under
-    sequence parallelism, CP-local under context parallelism), as Megatron's MTP loss has them.
-    ``labels``: ``[b, s]``, already rolled for this depth by Megatron (packed-sequence and CP
-    aware), derived from ``input_ids`` when the model got no labels (0.19). ``weight``: the
-    effective output weight (the embedding's when tied; detached under ``mtp_detach_heads``).
-    ``logit_scale``: the factor on the logits (MuP; 1 without). ``depth``: 1 for the first MTP
-    layer, up to ``num_depths``. The tensor-parallel layout is the output layer's.
+    Attributes:
+        hidden_states: that depth's ``[s, b, h]`` (this rank's ``[s/tp, b, h]`` shard under
+            sequence parallelism, CP-local under context parallelism), as Megatron's MTP loss
+            has them.
+        labels: ``[b, s]``, already rolled for this depth by Megatron (packed-sequence and CP
+            aware), derived from ``input_ids`` when the model got no labels (0.19).
+        weight: the effective output weight (the embedding's when tied; detached under
+            ``mtp_detach_heads``).
+        output_layer: the model's output layer.
+        logit_scale: the factor on the logits (MuP; 1 without).
+        depth: 1 for the first MTP layer, up to ``num_depths``.
+        num_depths: the model's ``mtp_num_layers``.
+        config: the model's config.
+        tp_group: the output layer's tensor-parallel group.
+        tp_rank: this rank in it.
+        tp_size: its size.
+        vocab_start: the global id of this rank's first vocabulary row.
+        sequence_parallel: ``hidden_states`` is this rank's token shard.
     """
 
     hidden_states: torch.Tensor
@@ -71,11 +82,15 @@ class MTPDepth:
 
 
 class MTPLoss(NamedTuple):
-    """``loss``: float32 ``[b, s]`` per-token cross-entropy, unmasked (Megatron multiplies it by the
-    rolled loss mask, as it does its own). ``accepted``: bool ``[b, s]``, whether each label is the
-    depth's most likely token; Megatron Core 0.19 counts it over the loss mask and logs
-    ``correct`` / ``total``. None where the callable cannot say (then 0.19's training forward
-    raises)."""
+    """What an MTP loss callable returns for one depth.
+
+    Attributes:
+        loss: float32 ``[b, s]`` per-token cross-entropy, unmasked (Megatron multiplies it by the
+            rolled loss mask, as it does its own).
+        accepted: bool ``[b, s]``, whether each label is the depth's most likely token;
+            Megatron Core 0.19 counts it over the loss mask and logs ``correct`` / ``total``.
+            None where the callable cannot say (then 0.19's training forward raises).
+    """
 
     loss: torch.Tensor
     accepted: Optional[torch.Tensor] = None
@@ -88,7 +103,17 @@ def fused_mtp_loss(
     depth: MTPDepth, *, backend: str = "auto", chunk_size: Optional[int] = None, ignore_index: int = -100
 ) -> MTPLoss:
     """A depth's loss from the fused kernel: no ``[tokens, vocab]`` logits, acceptance from the
-    same pass. No temperature: the MTP loss is a training loss on the raw (MuP-scaled) logits."""
+    same pass. No temperature: the MTP loss is a training loss on the raw (MuP-scaled) logits.
+
+    Args:
+        depth: the depth's inputs.
+        backend: the kernels' backend (see :func:`mcore_hooks.kernels.backend_for`).
+        chunk_size: tokens per chunk of the torch backend (None: its default).
+        ignore_index: the label of skipped positions.
+
+    Returns:
+        The per-token loss and acceptance.
+    """
     from .kernels import VocabParallel, linear_logprob_entropy
 
     hidden = depth.hidden_states
@@ -135,7 +160,17 @@ def keyword_mtp_loss_fn(mtp_loss: MTPLossFn) -> Callable[..., tuple]:
 
 
 def mtp_loss_of(output_processor: Any) -> Optional[MTPLossFn]:
-    """The processor's MTP callable (its ``mtp_loss`` attribute), or None for stock MTP."""
+    """The processor's MTP callable.
+
+    Args:
+        output_processor: the processor passed to the model (or None).
+
+    Returns:
+        Its ``mtp_loss`` attribute, or None (stock MTP).
+
+    Raises:
+        TypeError: ``mtp_loss`` is there but not callable.
+    """
     fn = getattr(output_processor, "mtp_loss", None)
     if fn is not None and not callable(fn):
         raise TypeError(

@@ -39,7 +39,23 @@ __all__ = [
 class PostprocessContext:
     """The 16 keywords of one ``output_processor`` call, plus the facts a processor derives from them.
 
-    Build it with :meth:`from_kwargs`. ``extra`` keeps keywords a later Megatron Core may add.
+    Build it with :meth:`from_kwargs`. The first 16 fields are upstream's keywords, as passed.
+
+    Attributes:
+        hidden_states: ``[s, b, h]``; this rank's ``[s/tp, b, h]`` shard under sequence
+            parallelism; context-parallel local under CP; ``[t, 1, h]`` for packed (THD) input.
+        extra: keywords a later Megatron Core may add, kept as passed.
+        weight: the effective output weight as passed (``output_weight`` when embeddings are
+            tied, else the layer's), before the output layer's pre-hooks: a processor that reads
+            the weight itself takes it from :meth:`output_layer_inputs`.
+        tp_group: the output layer's tensor-parallel group (None: not split).
+        tp_rank: this rank in ``tp_group``.
+        tp_size: the size of ``tp_group``.
+        vocab_start: the global id of this rank's first vocabulary row.
+        vocab_end: one past the global id of this rank's last vocabulary row.
+        sequence_parallel: ``hidden_states`` is this rank's token shard.
+        cp_group: the model's context-parallel group (None without CP).
+        cp_size: the size of ``cp_group``.
     """
 
     # Upstream's keywords.
@@ -75,7 +91,17 @@ class PostprocessContext:
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, Any]) -> "PostprocessContext":
-        """Build the context from the keywords the hook passed; TypeError names any missing one."""
+        """Build the context from the keywords the hook passed.
+
+        Args:
+            kwargs: the keywords of the ``output_processor`` call.
+
+        Returns:
+            The context.
+
+        Raises:
+            TypeError: a keyword of upstream's 16 is missing (named).
+        """
         missing = [k for k in OUTPUT_PROCESSOR_KEYWORDS if k not in kwargs]
         if missing:
             raise TypeError(
@@ -112,17 +138,31 @@ class PostprocessContext:
         parameter all-gather, Megatron-FSDP's unshard; their return values honoured), so the
         weight is never stale. On the backport, where the processor is called from inside those
         hooks, they are not run twice.
+
+        Returns:
+            ``(hidden_states, weight)`` after the output layer's forward pre-hooks.
         """
         return compat.output_layer_inputs(
             self.output_layer, self.hidden_states, self.output_weight, self.runtime_gather_output
         )
 
     def logit_scale(self) -> float:
-        """The constant factor ``scale_logits`` applies (Megatron's MuP output scaling; 1 without)."""
+        """The constant factor ``scale_logits`` applies.
+
+        Returns:
+            Megatron's MuP output scale (read from the config), 1 without.
+
+        Raises:
+            ValueError: ``scale_logits`` is not a constant factor.
+        """
         return compat.logit_scale(self.scale_logits, self.config)
 
     def logits(self) -> torch.Tensor:
-        """The stock logits ``[s, b, vocab/tp]`` (or gathered): output layer, then MuP scaling."""
+        """The stock logits: the output layer, then MuP scaling.
+
+        Returns:
+            ``[s, b, vocab/tp]``, or gathered ``[s, b, vocab]`` with ``runtime_gather_output``.
+        """
         logits, _ = self.output_layer(
             self.hidden_states,
             weight=self.output_weight,
@@ -131,7 +171,11 @@ class PostprocessContext:
         return self.scale_logits(logits)
 
     def default(self) -> torch.Tensor:
-        """Exactly what the stock model returns: logits ``[b, s, v]`` without labels, else loss."""
+        """Exactly what the stock model returns.
+
+        Returns:
+            The logits ``[b, s, v]`` without labels, else the per-token loss ``[b, s]``.
+        """
         logits = self.logits()
         if self.labels is None:
             return logits.transpose(0, 1).contiguous()  # [s, b, v] -> [b, s, v], as stock
@@ -172,7 +216,15 @@ class PostprocessProcessor(abc.ABC):
 
     @abc.abstractmethod
     def process(self, ctx: PostprocessContext) -> Any:
-        """Return the model's output for this forward (a tensor, tuple of tensors, or dict)."""
+        """The model's output for this forward.
+
+        Args:
+            ctx: this call's keywords and derived facts.
+
+        Returns:
+            Whatever the model should return: a tensor, a tuple of tensors (the only forms the
+            combined-1F1B schedule plan takes), a dict, or any object.
+        """
 
 
 class DefaultProcessor(PostprocessProcessor):
@@ -190,8 +242,16 @@ ModelT = TypeVar("ModelT", bound=Union[torch.nn.Module, list, tuple])
 def hooked_class(cls: type) -> type:
     """The class to build for a model whose ``forward`` takes ``output_processor``.
 
-    ``cls`` itself where it already has upstream's hook (GPTModel on Megatron Core >= 0.18),
-    otherwise a subclass adding it, with the same constructor and state dict.
+    Args:
+        cls: GPTModel, HybridModel or MambaModel, or a subclass of one.
+
+    Returns:
+        ``cls`` itself where it already has upstream's hook (GPTModel on Megatron Core >= 0.18),
+        otherwise a subclass adding it (and ``build_schedule_plan``'s), with the same
+        constructor and state dict.
+
+    Raises:
+        TypeError: ``cls`` is not a supported language-model class.
     """
     if not compat.is_language_model_class(cls):
         names = ", ".join(compat.language_model_classes())
@@ -204,8 +264,13 @@ def hooked_class(cls: type) -> type:
 def supports_output_processor(model: torch.nn.Module) -> bool:
     """Whether ``model.forward(..., output_processor=...)`` works as upstream's hook (by detection).
 
-    Looks through DDP / Float16Module wrappers; False for anything that is not a supported
-    Megatron Core language model.
+    Args:
+        model: a language model, possibly inside DDP / Float16Module wrappers.
+
+    Returns:
+        True where ``forward`` takes the keywords (natively or after
+        :func:`enable_output_processor`); False otherwise, and for anything that is not a
+        supported Megatron Core language model.
     """
     try:
         inner = compat.unwrap_model(model)
@@ -221,8 +286,16 @@ def enable_output_processor(model: ModelT) -> ModelT:
     Float16Module wrappers, or a list of such model chunks (virtual pipeline). Where the class
     already has the hook nothing changes, unless the instance has multi-token prediction on: then
     it gets the MTP loss hook (:mod:`mcore_hooks.mtp`) over the native call. Otherwise only this
-    instance's class is switched to :func:`hooked_class` (never a global patch). Idempotent;
-    returns ``model``.
+    instance's class is switched to :func:`hooked_class` (never a global patch). Idempotent.
+
+    Args:
+        model: the model, a wrapper around it, or a list of model chunks.
+
+    Returns:
+        ``model`` itself.
+
+    Raises:
+        TypeError: no supported language model is found in ``model``.
     """
     if isinstance(model, (list, tuple)):
         for chunk in model:

@@ -38,9 +38,15 @@ _CHUNK_ELEMENTS = 1 << 26
 
 
 class LogprobEntropy(NamedTuple):
-    """Per token ``[N]``: float32 ``logprob`` (None when no labels were given), ``entropy`` and
-    ``logz`` (the log of the softmax's normaliser, no gradient); bool ``label_is_argmax``, whether
-    the label is the most likely token (None without labels; MTP's acceptance)."""
+    """What :func:`linear_logprob_entropy` returns, per token ``[N]``.
+
+    Attributes:
+        logprob: float32 log-probability of the label (None when no labels were given).
+        entropy: float32 entropy of the distribution.
+        logz: float32 log of the softmax's normaliser (no gradient).
+        label_is_argmax: bool, whether the label is the most likely token (None without labels;
+            multi-token prediction's acceptance).
+    """
 
     logprob: Optional[torch.Tensor]
     entropy: torch.Tensor
@@ -49,6 +55,14 @@ class LogprobEntropy(NamedTuple):
 
 
 def default_chunk_size(local_vocab: int) -> int:
+    """The torch backend's default tokens per chunk.
+
+    Args:
+        local_vocab: this rank's vocabulary rows.
+
+    Returns:
+        About ``2**26`` fp32 logits' worth of tokens (256 MiB a chunk), at least 1.
+    """
     return max(1, _CHUNK_ELEMENTS // max(1, local_vocab))
 
 
@@ -79,7 +93,17 @@ def linear_logprob_entropy(
             chunk); the Triton backend never holds forward logits and sizes its backward
             gradient chunks itself (up to ``H`` vocab columns inside the dX output, else about
             128 MiB).
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`backend_for`).
+
+    Returns:
+        :class:`LogprobEntropy`: float32 ``[N]`` log-probs (None without labels) and entropies,
+        differentiable with respect to ``hidden`` and ``weight``.
+
+    Raises:
+        ValueError: a shape, size, label (outside the vocabulary, where values are checked:
+            see :func:`mcore_hooks.set_debug_checks`), temperature, scale, chunk size or backend
+            that does not fit, named.
+        TypeError: a dtype or device that does not fit, named.
     """
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
                  chunk_size, backend)
@@ -104,14 +128,31 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """Reduced cross-entropy ``sum_i token_weight_i * -log p_i(labels_i)``, a float32 scalar.
 
-    The same distribution and arguments as :func:`linear_logprob_entropy` (labels required);
-    ``token_weight`` is a float ``[N]`` (default: ones, the sum; pass ``mask / mask.sum()`` for a
-    mean). When a gradient is needed the logit gradients are formed in the forward, one token
-    chunk at a time (``chunk_size`` tokens; their logit gradient and half a chunk of fp32 logits
-    take about 2.5 GiB by default with the Triton backend, 256 MiB with torch), so the forward
-    does 3 matmuls and the backward only scales the result: the forward holds float32 dX
-    ``[N, H]`` and dW ``[V_local, H]`` until the backward (each is rounded to the input dtype
-    once). Without a gradient it is the log-prob pass, reduced.
+    When a gradient is needed the logit gradients are formed in the forward, one token chunk at
+    a time, so the forward does 3 matmuls and the backward only scales the result: the forward
+    holds float32 dX ``[N, H]`` and dW ``[V_local, H]`` until the backward (each is rounded to the
+    input dtype once). Without a gradient it is the log-prob pass, reduced.
+
+    Args:
+        hidden: ``[N, H]`` (this rank's token shard under sequence parallelism).
+        weight: ``[V_local, H]``, this rank's vocabulary shard.
+        labels: ``[N]`` global vocabulary ids (``ignore_index`` where skipped).
+        token_weight: float ``[N]`` weights (default: ones, the sum; ``mask / mask.sum()`` for a
+            mean).
+        temperature: a positive float, or a float tensor ``[N]``, dividing the logits.
+        logit_scale: a factor on the logits before the temperature (MuP).
+        ignore_index: the label of skipped positions.
+        parallel: the vocab-parallel layout (:class:`VocabParallel`).
+        chunk_size: tokens per chunk (default: their logit gradient and half a chunk of fp32
+            logits in about 2.5 GiB with the Triton backend, 256 MiB with torch).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        The float32 scalar loss.
+
+    Raises:
+        ValueError: missing labels, or a shape, value or option that does not fit, named.
+        TypeError: a dtype that does not fit, named.
     """
     if labels is None:
         raise ValueError("labels: linear_cross_entropy needs labels")
@@ -276,10 +317,22 @@ def backend_name(backend: Backend) -> str:
 
 
 def backend_for(dtype: torch.dtype, device: Union[str, torch.device], backend: str = "auto") -> str:
-    """The backend the kernels run for inputs of ``dtype`` on ``device``: ``"torch"`` or
-    ``"triton (<family> tiles)"``; what ``backend="auto"`` picks on this GPU, for instance.
-    Raises ValueError where ``backend`` cannot run there. The first choice for each device and
-    dtype is also logged (logger ``mcore_hooks.kernels``, level INFO)."""
+    """The backend the kernels run for inputs of ``dtype`` on ``device``.
+
+    The first choice for each device and dtype is also logged (logger ``mcore_hooks.kernels``,
+    level INFO).
+
+    Args:
+        dtype: the inputs' dtype.
+        device: the inputs' device.
+        backend: what would be asked for: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        ``"torch"``, or ``"triton (<family> tiles)"`` (e.g. ``"triton (sm_90 tiles)"``).
+
+    Raises:
+        ValueError: ``backend`` is unknown, or cannot run there.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     probe = torch.empty(0, dtype=dtype, device=device)
