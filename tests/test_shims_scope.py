@@ -105,3 +105,19 @@ def _after_library_use() -> list[str]:
 
 def test_importing_and_using_the_library_patches_nothing():
     assert _in_fresh_process(_after_library_use) == []
+
+
+def _lazy_exports_after_submodule_imports() -> list[str]:
+    # Importing a submodule binds its name on the package; no export may share a submodule's name,
+    # or `from mcore_hooks.testing import X` would depend on what was imported first.
+    import importlib
+
+    import mcore_hooks.testing as testing
+
+    for sub in ("shims", "distributed", "hook_call", "models"):
+        importlib.import_module(f"mcore_hooks.testing.{sub}")
+    return [name for name in testing.__all__ if type(getattr(testing, name)).__name__ == "module"]
+
+
+def test_testing_exports_do_not_depend_on_import_order():
+    assert _in_fresh_process(_lazy_exports_after_submodule_imports) == []

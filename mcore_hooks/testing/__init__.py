@@ -3,7 +3,7 @@
 For tests only. It builds *stock* ``GPTModel`` / ``HybridModel`` / ``MambaModel`` instances (or
 subclasses with the same constructor) small enough for CPU, with batches for them, and runs code
 under tensor parallelism on CPU with gloo. The CUDA-only pieces of Megatron Core are replaced by
-the test-only stand-ins of :mod:`mcore_hooks.testing.cpu_shims`, which production code never
+the test-only stand-ins of :mod:`mcore_hooks.testing.shims`, which production code never
 imports; they live only inside a :func:`cpu_shims` scope (entered by the builders and by
 ``mcore_hooks.verify``), which puts back every patched attribute on exit, never at import time.
 """
@@ -12,14 +12,15 @@ import importlib
 from typing import Any
 
 # Lazy (PEP 562): `from mcore_hooks.testing import quiet_megatron` imports no Megatron Core, so a
-# script can silence Megatron's notes before the rest of this package imports it.
+# script can silence Megatron's notes before the rest of this package imports it. No export may
+# share a submodule's name: importing that submodule would rebind the name to the module.
 _WHERE = {
-    "CpuCoreAttention": ".cpu_shims",
-    "CpuNorm": ".cpu_shims",
-    "CpuRNGStatesTracker": ".cpu_shims",
-    "cpu_shims": ".cpu_shims",
-    "cpu_shims_installed": ".cpu_shims",
-    "schedule_plan_on_cpu": ".cpu_shims",
+    "CpuCoreAttention": ".shims",
+    "CpuNorm": ".shims",
+    "CpuRNGStatesTracker": ".shims",
+    "cpu_shims": ".shims",
+    "cpu_shims_installed": ".shims",
+    "schedule_plan_on_cpu": ".shims",
     "DEFAULT_SEED": ".distributed",
     "model_parallel": ".distributed",
     "run_on_ranks": ".distributed",

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from .cpu_shims import cpu_shims
+from .shims import cpu_shims
 from .._quiet import call_quietly, quiet_megatron
 
 __all__ = ["DEFAULT_SEED", "model_parallel", "run_on_ranks"]

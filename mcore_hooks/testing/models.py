@@ -2,7 +2,7 @@
 
 :func:`build_tiny_model` builds the *stock* ``GPTModel`` / ``HybridModel`` / ``MambaModel`` (or a
 subclass with the same constructor) on CPU, from the stock local (non-Transformer-Engine) layer
-recipe with only the CUDA-only pieces swapped for the stand-ins of :mod:`.cpu_shims`. Weights
+recipe with only the CUDA-only pieces swapped for the stand-ins of :mod:`.shims`. Weights
 depend only on ``TinyModelConfig.seed`` (and not on the tensor-parallel size: with
 ``use_cpu_initialization`` every TP shard is a slice of the same master weight).
 """
@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from ..compat import MODEL_CLASSES, model_class
-from .cpu_shims import CpuCoreAttention, CpuNorm, cpu_shims, te_norm_replaced
+from .shims import CpuCoreAttention, CpuNorm, cpu_shims, te_norm_replaced
 
 __all__ = [
     "TinyModelConfig",
