@@ -671,23 +671,23 @@ class NativeMTPHookMixin:
         return attach_mtp_loss(self, plan, output_processor)
 
 
-@functools.lru_cache(maxsize=None)
-def native_mtp_class(cls: type) -> type:
-    """``cls`` (with upstream's hook) with :class:`NativeMTPHookMixin` in front."""
+def _hooked_subclass(mixin: type, cls: type) -> type:
+    """``cls`` with ``mixin`` in front, named ``Hooked<cls>``: same constructor and state dict."""
     name = cls.__name__ if cls.__name__.startswith("Hooked") else f"Hooked{cls.__name__}"
     return type(
         name,
-        (NativeMTPHookMixin, cls),
+        (mixin, cls),
         {"__module__": "mcore_hooks.postprocess", "__qualname__": name, "__doc__": cls.__doc__},
     )
+
+
+@functools.lru_cache(maxsize=None)
+def native_mtp_class(cls: type) -> type:
+    """``cls`` (with upstream's hook) with :class:`NativeMTPHookMixin` in front, once per ``cls``."""
+    return _hooked_subclass(NativeMTPHookMixin, cls)
 
 
 @functools.lru_cache(maxsize=None)
 def backport_class(cls: type) -> type:
-    """``cls`` with :class:`BackportHookMixin` in front; one class per ``cls``, same constructor."""
-    name = cls.__name__ if cls.__name__.startswith("Hooked") else f"Hooked{cls.__name__}"
-    return type(
-        name,
-        (BackportHookMixin, cls),
-        {"__module__": "mcore_hooks.postprocess", "__qualname__": name, "__doc__": cls.__doc__},
-    )
+    """``cls`` with :class:`BackportHookMixin` in front, once per ``cls``."""
+    return _hooked_subclass(BackportHookMixin, cls)

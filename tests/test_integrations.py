@@ -18,7 +18,7 @@ from mcore_hooks.integrations.verl import (
     VerlFusedOutput,
     VerlFusedProcessor,
 )
-from mcore_hooks.testing import TinyModelConfig, build_tiny_model, run_on_ranks, tiny_batch
+from mcore_hooks.testing import TinyModelConfig, build_tiny_model, hook_keywords, run_on_ranks, tiny_batch
 
 pytestmark = pytest.mark.usefixtures("mp1")
 T = 0.7
@@ -106,17 +106,21 @@ def test_verl_processor_is_verls_formula_and_stock(tied, packed, per_sample):
     _close_grads(grads, ref_grads)
 
 
-def _verl_tp2(sp: bool):
-    lp, ref_lp, ent, ref_ent, grads, ref_grads = _verl_case(True, False, sp=sp)
+def _tp2_case(framework: str, sp: bool):
+    if framework == "verl":
+        lp, ref_lp, ent, ref_ent, grads, ref_grads = _verl_case(True, False, sp=sp)
+        torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
+    else:
+        lp, ref_lp, grads, ref_grads = _nemo_case(True, False, sp=sp)
     torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
     _close_grads(grads, ref_grads)
     return True
 
 
-def test_verl_processor_tensor_parallel_2():
+@pytest.mark.parametrize("framework", ["verl", "nemo_rl"])
+def test_tensor_parallel_2_with_and_without_sequence_parallel(framework):
     for sp in (False, True):
-        assert run_on_ranks(_verl_tp2, 2, sp) == [True, True]
+        assert run_on_ranks(_tp2_case, 2, framework, sp) == [True, True]
 
 
 def test_verl_options_and_context_errors():
@@ -213,18 +217,6 @@ def test_nemo_rl_temperature_divides_the_logits_once():
     assert not torch.allclose(ours, at_one / T, rtol=1e-3)  # what dividing the log-probs gives
 
 
-def _nemo_tp2(sp: bool):
-    out, ref, grads, ref_grads = _nemo_case(True, False, sp=sp)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    _close_grads(grads, ref_grads)
-    return True
-
-
-def test_nemo_rl_processor_tensor_parallel_2():
-    for sp in (False, True):
-        assert run_on_ranks(_nemo_tp2, 2, sp) == [True, True]
-
-
 def _nemo_cp():
     """CP=2 with NeMo RL's load-balanced input sharding: every rank gets the whole [B, S-1]
     equal to the unsplit run; the hidden-state gradient is NeMo RL's (all-reduced over CP, so
@@ -241,21 +233,10 @@ def _nemo_cp():
     ids = torch.randint(0, vocab, (b, s), generator=g)
     w = torch.rand(b, s - 1, generator=g)
 
-    class Model:
-        cp_group = group
-
-        def compute_language_model_loss(self, labels, logits):  # pragma: no cover - unused
-            raise AssertionError
-
-    def run(hid, idx, cp_group, cp):
+    def run(hid, idx, cp_group):
         hid = hid.clone().requires_grad_()
-        Model.cp_group = cp_group
         out = NemoRLLogprobProcessor(temperature=T)(
-            hidden_states=hid, output_layer=layer, output_weight=None, labels=idx, loss_mask=None,
-            input_ids=idx, position_ids=None, attention_mask=None, decoder_input=None,
-            inference_context=None, packed_seq_params=None, runtime_gather_output=None, context=None,
-            compute_language_model_loss=Model().compute_language_model_loss, scale_logits=lambda x: x,
-            config=types.SimpleNamespace(context_parallel_size=cp),
+            **hook_keywords(hid, layer, labels=idx, input_ids=idx, cp_group=cp_group)
         )
         (out * w).sum().backward()
         return out.detach(), hid.grad
@@ -264,8 +245,8 @@ def _nemo_cp():
     mine = [chunks[rank], chunks[3 - rank]]
     local_h = torch.cat([hidden[c] for c in mine])
     local_ids = torch.cat([ids[:, c] for c in mine], dim=1)
-    out, dh = run(local_h, local_ids, group, 2)
-    full, dh_full = run(hidden, ids, None, 1)
+    out, dh = run(local_h, local_ids, group)
+    full, dh_full = run(hidden, ids, None)
     return out, full, dh, torch.cat([dh_full[c] for c in mine]) * 2
 
 

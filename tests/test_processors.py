@@ -18,6 +18,7 @@ from mcore_hooks.processors import (
 from mcore_hooks.processors.labels import labels_from_input_ids
 from mcore_hooks.testing import (
     TinyModelConfig,
+    hook_keywords,
     available_model_classes,
     build_tiny_model,
     run_on_ranks,
@@ -248,43 +249,31 @@ def test_processor_errors_name_the_argument():
 
 def _cp_check():
     """CP=2: each rank holds half the tokens (labels pre-sharded); results equal the unsplit run."""
-    import torch.distributed as dist
-
     from megatron.core import parallel_state
 
+    group = parallel_state.get_context_parallel_group()
     rank = parallel_state.get_context_parallel_rank()
     g = torch.Generator().manual_seed(5)
     s, b, hidden_size, vocab = 8, 2, 16, 40
     torch.manual_seed(0)
-    # The CPU attention cannot run a CP model; the processor needs only an output layer (TP=1).
-    output_layer = torch.nn.Linear(hidden_size, vocab, bias=False)
+    layer = torch.nn.Linear(hidden_size, vocab, bias=False)
     hidden = torch.randn(s, b, hidden_size, generator=g)
     labels = torch.randint(0, vocab, (b, s), generator=g)
-    config = types.SimpleNamespace(context_parallel_size=2)
-    base = dict(
-        output_layer=output_layer, output_weight=None, loss_mask=None, input_ids=None,
-        position_ids=None, attention_mask=None, decoder_input=None, inference_context=None,
-        packed_seq_params=None, runtime_gather_output=None, context=None,
-        compute_language_model_loss=None, scale_logits=lambda x: x, config=config,
-    )
     part = slice(rank * s // 2, (rank + 1) * s // 2)
     h_local = hidden[part].clone().requires_grad_()
-    out = LogprobEntropyProcessor()(**base, hidden_states=h_local, labels=labels[:, part])
+    out = LogprobEntropyProcessor()(**hook_keywords(h_local, layer, labels=labels[:, part], cp_group=group))
     (out["logprobs"].sum() + out["entropy"].sum()).backward()
     h_full = hidden.clone().requires_grad_()
-    full = LogprobEntropyProcessor()(
-        **dict(base, config=types.SimpleNamespace(context_parallel_size=1)), hidden_states=h_full, labels=labels
-    )
+    full = LogprobEntropyProcessor()(**hook_keywords(h_full, layer, labels=labels))
     (full["logprobs"].sum() + full["entropy"].sum()).backward()
     ok = torch.allclose(out["logprobs"], full["logprobs"][:, part]) and torch.allclose(
         out["entropy"], full["entropy"][:, part]
     ) and torch.allclose(h_local.grad, h_full.grad[part])
     try:
-        FusedLogprobProcessor()(**dict(base, input_ids=labels[:, part]), hidden_states=h_local, labels=None)
+        FusedLogprobProcessor()(**hook_keywords(h_local, layer, input_ids=labels[:, part], cp_group=group))
         refused = False
     except ValueError as e:
         refused = "context parallel" in str(e)
-    assert dist.get_world_size() == 2
     return ok, refused
 
 
@@ -316,33 +305,20 @@ def _cp_reduced_check(reduction: str, all_masked: bool):
     if all_masked:
         mask.zero_()
 
-    class Model:  # what the hook's bound compute_language_model_loss points at
-        cp_group = group
-
-        def compute_language_model_loss(self, labels, logits):  # pragma: no cover - unused
-            raise AssertionError
-
-    def run(h, lab, m, model, cp):
+    def run(h, lab, m, cp_group):
         h = h.clone().requires_grad_()
         layer.zero_grad()
         out = LinearCEProcessor(reduction=reduction)(
-            hidden_states=h, output_layer=layer, output_weight=None, labels=lab, loss_mask=m,
-            input_ids=None, position_ids=None, attention_mask=None, decoder_input=None,
-            inference_context=None, packed_seq_params=None, runtime_gather_output=None,
-            context=None, compute_language_model_loss=model.compute_language_model_loss,
-            scale_logits=lambda x: x, config=types.SimpleNamespace(context_parallel_size=cp),
+            **hook_keywords(h, layer, labels=lab, loss_mask=m, cp_group=cp_group)
         )
         out.backward()
         return out.detach(), h.grad, layer.weight.grad.clone()
 
     part = slice(rank * s // 2, (rank + 1) * s // 2)
-    local, dh, dw = run(hidden[part], labels[:, part], mask[:, part], Model(), 2)
+    local, dh, dw = run(hidden[part], labels[:, part], mask[:, part], group)
     dist.all_reduce(dw, group=group)
 
-    class Unsplit(Model):
-        cp_group = None
-
-    full, dh_full, dw_full = run(hidden, labels, mask, Unsplit(), 1)
+    full, dh_full, dw_full = run(hidden, labels, mask, None)
     # stock: fp32 logits, per-token cross-entropy, then Megatron's masked sum / mean
     h = hidden.clone().requires_grad_()
     layer.zero_grad()

@@ -390,3 +390,13 @@ def _raise_on_rank_1() -> int:
 def test_run_on_ranks_reports_rank_traceback() -> None:
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 of 2 raised.*Traceback.*boom from rank 1"):
         run_on_ranks(_raise_on_rank_1, 2, tp=1, timeout=120)
+
+
+def test_hook_keywords_are_the_protocols_in_order() -> None:
+    from mcore_hooks import OUTPUT_PROCESSOR_KEYWORDS
+    from mcore_hooks.testing import hook_keywords
+
+    kw = hook_keywords(torch.zeros(2, 1, 4), torch.nn.Linear(4, 8, bias=False))
+    assert tuple(kw) == OUTPUT_PROCESSOR_KEYWORDS
+    assert kw["config"].context_parallel_size == 1
+    assert kw["compute_language_model_loss"].__self__.cp_group is None
