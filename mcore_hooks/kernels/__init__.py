@@ -14,19 +14,21 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import NamedTuple, Optional, Union
+from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import torch
 
 from ..compat import group_rank_size
 from ..debug import check_values
-from .autograd import Backend, LinearCrossEntropy, LinearLogSoftmaxStats
-from .options import VocabParallel
+from .autograd import Backend, LinearFusedLoss, LinearLogSoftmaxStats, TokenGrads, TokenLoss
+from .losses import PolicyLoss, PolicyLossResult, WeightedNLL, aggregation_weights, per_token_loss
+from .options import KernelParams, VocabParallel
 from .torch_chunked import TorchChunked
 
 __all__ = [
-    "VocabParallel", "LogprobEntropy", "linear_logprob_entropy", "linear_cross_entropy", "BACKENDS",
-    "backend_for", "default_chunk_size",
+    "VocabParallel", "LogprobEntropy", "linear_logprob_entropy", "linear_cross_entropy",
+    "linear_policy_loss", "PolicyLoss", "PolicyLossResult", "aggregation_weights", "per_token_loss",
+    "TokenLoss", "TokenGrads", "BACKENDS", "backend_for", "default_chunk_size",
 ]
 
 BACKENDS = ("auto", "torch", "triton")
@@ -107,7 +109,7 @@ def linear_logprob_entropy(
     """
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
                  chunk_size, backend)
-    logprob, entropy, logz, best = _log_softmax_stats(hidden, weight, p, parallel)
+    logprob, entropy, logz, best = LinearLogSoftmaxStats.apply(hidden, weight, p)
     if labels is None:
         return LogprobEntropy(None, entropy, logz)
     return LogprobEntropy(logprob, entropy, logz, best)
@@ -157,50 +159,108 @@ def linear_cross_entropy(
     if labels is None:
         raise ValueError("labels: linear_cross_entropy needs labels")
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
-                 chunk_size, backend, reduced=True)
-    if token_weight is None:
-        tw = torch.ones(p.n, dtype=torch.float32, device=hidden.device)
-    else:
-        if not isinstance(token_weight, torch.Tensor) or not token_weight.dtype.is_floating_point:
-            raise TypeError(
-                f"token_weight: expected a float tensor, got {getattr(token_weight, 'dtype', type(token_weight).__name__)}"
-            )
-        if token_weight.shape != (p.n,):
-            raise ValueError(f"token_weight: expected shape ({p.n},) (one per token), got {tuple(token_weight.shape)}")
-        tw = token_weight.detach().to(device=hidden.device, dtype=torch.float32)
+                 chunk_size, backend, fused=True)
+    tw = _token_vector("token_weight", token_weight, p.n, hidden.device, default=1.0)
+    return _fused(hidden, weight, p, WeightedNLL(tw))[0]
+
+
+def linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    token_weight: torch.Tensor,
+    loss: Union[TokenLoss, "PolicyLoss", None] = None,
+    inputs: Optional[Mapping[str, torch.Tensor]] = None,
+    temperature: Union[float, torch.Tensor] = 1.0,
+    logit_scale: float = 1.0,
+    ignore_index: int = -100,
+    parallel: VocabParallel = VocabParallel(),
+    chunk_size: Optional[int] = None,
+    backend: str = "auto",
+) -> PolicyLossResult:
+    """A policy loss ``sum_i token_weight_i * f(logprob_i, entropy_i, inputs_i)``, fused with the
+    output layer, with its gradients formed in the forward.
+
+    ``f`` is a per-token function: :class:`PolicyLoss` (PPO/GRPO clipped ratio, dual clip, KL to
+    a reference, entropy bonus; the default), or any plain-torch function of per-token tensors
+    made a :class:`TokenLoss` by :func:`per_token_loss`. Its derivatives in the token's log-prob
+    and entropy are taken by autograd on each chunk's float32 values, and the logit gradient is
+    formed while the chunk's logits exist, as :func:`linear_cross_entropy` does (3 matmuls,
+    6NHV; the backward only scales the float32 dX and dW by the upstream gradient). The
+    aggregation (token mean, sequence mean of token sums or means) is ``token_weight``: see
+    :func:`aggregation_weights`. Objectives that couple tokens (sequence-level ratios such as
+    GSPO's) are not per-token: take :func:`linear_logprob_entropy` and the loss in torch.
+
+    Args:
+        hidden: ``[N, H]`` (this rank's token shard under sequence parallelism).
+        weight: ``[V_local, H]``, this rank's vocabulary shard.
+        labels: ``[N]`` the sampled tokens' global ids (``ignore_index`` where skipped).
+        token_weight: float ``[N]`` weight of each token's term (the loss mask divided by the
+            aggregation's normaliser); a NaN or infinite weight is an error where values are
+            checked.
+        loss: the per-token function (default ``PolicyLoss()``).
+        inputs: float ``[N]`` per-token tensors the function takes by name (for
+            :class:`PolicyLoss`: ``old_logprobs``, ``advantages`` and, with a KL term,
+            ``ref_logprobs``).
+        temperature: a positive float, or a float tensor ``[N]``, dividing the logits.
+        logit_scale: a factor on the logits before the temperature (MuP).
+        ignore_index: the label of skipped positions (no term, no gradient).
+        parallel: the vocab-parallel layout (:class:`VocabParallel`).
+        chunk_size: tokens per chunk (as :func:`linear_cross_entropy`).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        :class:`PolicyLossResult`: the float32 scalar loss, and detached float32 ``[N]``
+        log-probs and entropies (for metrics; entropies are 0 unless the loss uses them).
+
+    Raises:
+        ValueError: a shape, value or option that does not fit, or an input the loss needs
+            that is missing, named.
+        TypeError: a dtype that does not fit, named.
+    """
+    if labels is None:
+        raise ValueError("labels: linear_policy_loss needs the sampled tokens as labels")
+    p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
+                 chunk_size, backend, fused=True)
+    tw = _token_vector("token_weight", token_weight, p.n, hidden.device)
+    if check_values(tw) and not bool(torch.isfinite(tw).all()):
+        raise ValueError("token_weight: every value must be finite")
+    fn = per_token_loss(PolicyLoss() if loss is None else loss)
+    tensors = {k: _token_vector(f"inputs[{k!r}]", v, p.n, hidden.device) for k, v in (inputs or {}).items()}
+    token_loss = fn.bind(tw, tensors, p.valid)
+    loss_value, logprob, entropy = _fused(hidden, weight, p, token_loss)
+    return PolicyLossResult(loss_value, logprob, entropy)
+
+
+def _fused(hidden, weight, p: KernelParams, token_loss: TokenLoss):
+    """(loss, logprob, entropy) of a :class:`TokenLoss`: gradients formed in the forward where
+    any is needed, else the 2NHV log-prob pass with the terms evaluated on its results."""
     need_x = hidden.requires_grad and torch.is_grad_enabled()
     need_w = weight.requires_grad and torch.is_grad_enabled()
-    if not (need_x or need_w):
-        logprob = _log_softmax_stats(hidden, weight, p, parallel)[0]
-        return -(logprob * tw).sum()
-    return LinearCrossEntropy.apply(
-        hidden, weight, p.labels, p.coef, tw, p.valid, int(parallel.vocab_start), p.group, p.sp,
-        p.chunk_size, p.backend, need_x, need_w,
-    )
+    if need_x or need_w:
+        return LinearFusedLoss.apply(hidden, weight, p, token_loss, need_x, need_w)
+    with torch.no_grad():
+        logprob, entropy, _, _ = LinearLogSoftmaxStats.apply(hidden, weight, p)
+        terms = token_loss(slice(0, p.n), logprob, entropy if token_loss.needs_entropy else None)
+        loss = torch.where(p.valid, terms.loss, 0.0).sum()
+    return loss, logprob, entropy if token_loss.needs_entropy else torch.zeros_like(entropy)
 
 
-def _log_softmax_stats(hidden, weight, p: "_Prepared", parallel: VocabParallel):
-    """(log-prob, entropy, logZ, label is argmax) per token: the 2NHV pass, logits recomputed in
-    the backward."""
-    return LinearLogSoftmaxStats.apply(
-        hidden, weight, p.labels, p.coef, p.valid, int(parallel.vocab_start), p.group, p.sp,
-        p.chunk_size, p.backend,
-    )
-
-
-class _Prepared(NamedTuple):
-    n: int
-    labels: torch.Tensor  # [N] long, -1 for entropy-only
-    valid: torch.Tensor  # [N] bool
-    coef: torch.Tensor  # [N] float32: logit_scale / temperature
-    group: object
-    sp: bool
-    chunk_size: int
-    backend: Backend
+def _token_vector(name: str, t: Any, n: int, device: torch.device,
+                  default: Optional[float] = None) -> torch.Tensor:
+    """A float ``[N]`` per-token tensor, detached float32 on ``device``."""
+    if t is None and default is not None:
+        return torch.full((n,), default, dtype=torch.float32, device=device)
+    if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
+        raise TypeError(f"{name}: expected a float tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if t.shape != (n,):
+        raise ValueError(f"{name}: expected shape ({n},) (one per token), got {tuple(t.shape)}")
+    return t.detach().to(device=device, dtype=torch.float32)
 
 
 def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel, chunk_size,
-             backend, reduced: bool = False) -> _Prepared:
+             backend, fused: bool = False) -> KernelParams:
     """Check the arguments (errors name the argument) and put them in the kernels' form."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -235,8 +295,8 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
     backend_impl = _select_backend(backend, hidden)
     if chunk_size is None:
         chunk_size = (
-            _reduced_chunk_size(backend_impl, n, weight.shape[0], hidden.element_size())
-            if reduced else default_chunk_size(weight.shape[0])
+            _fused_chunk_size(backend_impl, n, weight.shape[0], hidden.element_size())
+            if fused else default_chunk_size(weight.shape[0])
         )
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
@@ -263,14 +323,14 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
     if bad is not None:  # unchecked (CUDA, debug checks off): such a token gives NaN, not a number
         coef = torch.where(bad, torch.nan, coef)
     group = parallel.group if tp > 1 else None
-    return _Prepared(n, gl, valid, coef, group, sp, chunk_size, backend_impl)
+    return KernelParams(gl, valid, coef, int(parallel.vocab_start), group, sp, chunk_size, backend_impl)
 
 
-def _reduced_chunk_size(backend: Backend, n: int, v_local: int, itemsize: int) -> int:
-    """Tokens per chunk of the reduced cross-entropy: the chunk's logit gradient (input dtype)
-    and half a chunk of fp32 logits within the backend's budget, balanced so the last chunk is
-    not a sliver."""
-    budget = getattr(backend, "ce_chunk_bytes", _CHUNK_ELEMENTS * 4)
+def _fused_chunk_size(backend: Backend, n: int, v_local: int, itemsize: int) -> int:
+    """Tokens per chunk of the losses with gradients formed in the forward: the chunk's logit
+    gradient (input dtype) and half a chunk of fp32 logits within the backend's budget, balanced
+    so the last chunk is not a sliver."""
+    budget = backend.fused_chunk_bytes
     most = max(1, budget // (max(1, v_local) * (itemsize + 2)))
     chunks = -(-n // most)
     even = -(-n // chunks)

@@ -1,11 +1,14 @@
-"""The autograd function shared by every backend: communication and the statistics' algebra.
+"""The autograd functions shared by every backend: communication and the statistics' algebra.
 
-A backend supplies two passes over this rank's vocabulary shard (see :class:`Backend`):
-``local_stats`` (forward: per-token max, sum-exp, entropy term and target logit of the local
-logits) and ``grads`` (backward: recompute the logits, form their gradient, return dX and dW).
-This module combines shards across the tensor-parallel group (one MAX and one SUM all-reduce for
-the whole batch), gathers sequence-parallel hidden states once, and reduces their gradient once
-(all-reduce, or reduce-scatter under sequence parallelism), so the backends stay pure math.
+A backend (:class:`Backend`) supplies the passes over this rank's vocabulary shard and owns their
+chunk loops: ``local_stats`` (forward: per-token max, sum-exp, entropy term and target logit of
+the local logits), ``grads`` (backward: recompute the logits, form their gradient, return dX and
+dW), and ``fused_loss`` (a loss whose gradients are formed in the forward, over the row passes
+``row_stats`` / ``row_grad``). This module combines shards across the tensor-parallel group (a
+MAX and a SUM all-reduce per batch, or per chunk of the fused loss), gathers sequence-parallel
+hidden states once, and reduces their gradient once (all-reduce, or reduce-scatter under sequence
+parallelism), so the backends' kernels stay pure math. Options travel as one frozen
+:class:`~.options.KernelParams`.
 
 Per token, with ``l = coef * (x @ W.T)`` (``coef = logit_scale / temperature``) over the full
 vocabulary, ``m = max l``, ``s = sum exp(l - m)``, ``logZ = m + log s``, ``p = exp(l - logZ)``:
@@ -16,11 +19,11 @@ vocabulary, ``m = max l``, ``s = sum exp(l - m)``, ``logZ = m + log s``, ``p = e
   so it stays exact when all logits are hugely negative or hugely positive;
 * ``d logprob / d l_j = 1[j = y] - p_j``; ``d entropy / d l_j = -p_j (log p_j + entropy)``.
 
-:class:`LinearCrossEntropy` is the reduced loss ``sum_i w_i (logZ_i - l_i[y_i])``. Its upstream
-gradient is one scalar, so the logit gradients can be formed in the forward while each token
-chunk's logits exist (3 matmuls, 6NHV, instead of recomputing them: 8NHV); the backward only
-scales dX and dW by that scalar. Backends supply the row passes over a chunk's materialised fp32
-logits (``ce_row_stats``, ``ce_row_grad``); the products are cuBLAS (:mod:`.matmul`).
+:class:`LinearFusedLoss` is a loss ``sum_i f_i(logprob_i, entropy_i)`` (:class:`TokenLoss`): the
+cross-entropy ``sum_i w_i (logZ_i - l_i[y_i])``, or a policy loss. Its upstream gradient is one
+scalar, so the logit gradients ``f_i' `` are formed in the forward while each token chunk's logits
+exist (3 matmuls, 6NHV, instead of recomputing them: 8NHV); the backward only scales dX and dW by
+that scalar. The products are cuBLAS (:mod:`.matmul`).
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ import torch.distributed as dist
 
 from ..compat import group_rank_size
 from .matmul import addmm_f32_, mm_f32
+from .options import KernelParams
 
 
 class LocalStats(NamedTuple):
     """Float32 ``[N]`` statistics of this rank's logits: ``m_loc``, ``sum exp(l - m_loc)``,
-    ``sum exp(l - m_loc) * (l - m_loc)`` and the label's logit (0 where not owned)."""
+    ``sum exp(l - m_loc) * (l - m_loc)`` (0 where not asked for) and the label's logit (0 where
+    not owned)."""
 
     max: torch.Tensor
     sumexp: torch.Tensor
@@ -44,26 +49,139 @@ class LocalStats(NamedTuple):
     target: torch.Tensor
 
 
-class Backend(Protocol):
+class TokenGrads(NamedTuple):
+    """A :class:`TokenLoss`'s value on a chunk of tokens, float32 ``[c]`` each."""
+
+    loss: torch.Tensor
+    d_logprob: torch.Tensor
+    d_entropy: Optional[torch.Tensor]  # None: the loss does not depend on the entropy
+
+
+class TokenLoss(Protocol):
+    """A loss ``sum_i f_i(logprob_i, entropy_i)``: each token's term depends only on its own
+    log-prob and entropy (and on per-token data the loss holds), so its logit gradient can be
+    formed while the token's logits exist. Called on consecutive token chunks (``rows``), with
+    detached float32 values; returns each term and its derivatives."""
+
+    needs_entropy: bool
+
+    def __call__(
+        self, rows: slice, logprob: torch.Tensor, entropy: Optional[torch.Tensor]
+    ) -> TokenGrads: ...
+
+
+class FusedLoss(NamedTuple):
+    """What :meth:`Backend.fused_loss` returns: float32 ``[N]`` per-token terms, log-probs and
+    entropies (None when the loss did not ask for them), and the float32 dX ``[N, H]`` and dW
+    ``[V_local, H]`` of the summed loss (None where not needed)."""
+
+    loss: torch.Tensor
+    logprob: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    dx: Optional[torch.Tensor]
+    dw: Optional[torch.Tensor]
+
+
+class Backend:
+    """The passes a backend implements, and the chunk loop of the losses whose gradients are
+    formed in the forward (written once, over the backend's row passes).
+
+    * ``local_stats``: forward of the log-prob/entropy pass (its own chunk loop);
+    * ``grads``: its backward, recomputing the logits (its own chunk loop);
+    * ``row_stats`` / ``row_grad``: one chunk's materialised float32 logits ``z = x @ W.T``
+      (``coef`` applied on load) to statistics, and to the logit gradient of a :class:`TokenLoss`.
+    """
+
+    name: str = "?"
+    # fused_loss: bytes of one token chunk's logit gradient plus half a chunk of fp32 logits
+    fused_chunk_bytes: int = 1 << 28
+
     def local_stats(
         self, x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor,
         chunk_size: int,
-    ) -> LocalStats: ...
+    ) -> LocalStats:
+        raise NotImplementedError
 
     def grads(
         self, x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor,
         m: torch.Tensor, log_s: torch.Tensor, entropy: torch.Tensor, g_logprob: torch.Tensor,
         g_entropy: torch.Tensor, chunk_size: int, need_x: bool, need_w: bool,
-    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]: ...
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        raise NotImplementedError
 
-    def ce_row_stats(
-        self, z: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor
-    ) -> LocalStats: ...
+    def row_stats(
+        self, z: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor, with_entropy: bool
+    ) -> LocalStats:
+        raise NotImplementedError
 
-    def ce_row_grad(
+    def row_grad(
         self, z: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor, m: torch.Tensor,
-        log_s: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-    ) -> torch.Tensor: ...
+        log_s: torch.Tensor, g_logprob: torch.Tensor, g_entropy: Optional[torch.Tensor],
+        entropy: Optional[torch.Tensor], out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write ``coef * dL/dl`` for ``L = sum g_logprob * logprob + g_entropy * entropy`` into
+        ``out`` (input dtype), rows of ``z``."""
+        raise NotImplementedError
+
+    def fused_loss(
+        self, x: torch.Tensor, weight: torch.Tensor, p: KernelParams, local_label: torch.Tensor,
+        token_loss: TokenLoss, need_x: bool, need_w: bool,
+    ) -> FusedLoss:
+        """``sum_i f_i`` of a :class:`TokenLoss` and its gradients, in token chunks: each half
+        chunk's fp32 logits are made (cuBLAS), reduced to statistics (combined over the TP
+        group), turned into the loss terms and their logit gradient; then dX and dW take the
+        chunk's gradient (3 matmuls in all, 6NHV)."""
+        n, v_local = x.shape[0], weight.shape[0]
+        f32 = dict(dtype=torch.float32, device=x.device)
+        with_entropy = bool(token_loss.needs_entropy)
+        loss, logprob = torch.zeros(n, **f32), torch.zeros(n, **f32)
+        entropy = torch.zeros(n, **f32) if with_entropy else None
+        dx = torch.empty((n, x.shape[1]), **f32) if need_x else None
+        dw = torch.empty(weight.shape, **f32) if need_w else None
+        need_grad = need_x or need_w
+        # dz holds `chunk_size` tokens (the K of each dW product: fewer passes over the fp32
+        # accumulator); their fp32 logits are made half a chunk at a time.
+        c = min(p.chunk_size, n)
+        cz = -(-c // 2)
+        z = torch.empty((cz, v_local), **f32)
+        dz = torch.empty((c, v_local), dtype=x.dtype, device=x.device) if need_grad else None
+        for start in range(0, n, c):
+            end = min(start + c, n)
+            for s0 in range(start, end, cz):
+                s1 = min(s0 + cz, end)
+                rows, zc = slice(s0, s1), z[: s1 - s0]
+                coef, label, valid = p.coef[rows], local_label[rows], p.valid[rows]
+                mm_f32(x[rows], weight.t(), out=zc)
+                st = combine(self.row_stats(zc, coef, label, with_entropy), p.group)
+                lp = torch.where(valid, st.logprob(), 0.0)
+                ent = torch.where(valid, st.entropy, 0.0) if with_entropy else None
+                terms = token_loss(rows, lp, ent)
+                if terms.d_entropy is not None and not with_entropy:
+                    raise ValueError(
+                        "token_loss: returned an entropy gradient but has needs_entropy=False"
+                    )
+                # ignored positions: no term, no gradient (where, not a product: NaN-proof)
+                loss[rows] = torch.where(valid, terms.loss, 0.0)
+                logprob[rows] = lp
+                if entropy is not None:
+                    entropy[rows] = ent
+                if need_grad:
+                    g1 = torch.where(valid, terms.d_logprob, 0.0)
+                    g2 = None if terms.d_entropy is None else torch.where(valid, terms.d_entropy, 0.0)
+                    self.row_grad(zc, coef, label, st.max, st.log_s, g1, g2,
+                                  st.entropy if g2 is not None else None,
+                                  dz[s0 - start : s1 - start])
+            if not need_grad:
+                continue
+            xc, dzc = x[start:end], dz[: end - start]
+            if need_x:
+                mm_f32(dzc, weight, out=dx[start:end])
+            if need_w:
+                if start == 0:
+                    mm_f32(dzc.t(), xc, out=dw)
+                else:
+                    addmm_f32_(dw, dzc.t(), xc)
+        return FusedLoss(loss, logprob, entropy, dx, dw)
 
 
 def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group) -> torch.Tensor:
@@ -152,91 +270,67 @@ def reduce_hidden_grad(dx: torch.Tensor, group, sequence_parallel: bool) -> torc
 
 
 class LinearLogSoftmaxStats(torch.autograd.Function):
+    """(log-prob, entropy, logZ, label is argmax) per token: the 2NHV pass, logits recomputed in
+    the backward (for any upstream gradient of the per-token results)."""
+
     @staticmethod
-    def forward(ctx, hidden, weight, labels, coef, valid, vocab_start, group, sequence_parallel,
-                chunk_size, backend):
-        x = gather_tokens(hidden, group) if sequence_parallel else hidden
-        local_label = local_labels(labels, valid, vocab_start, weight.shape[0])
-        st = combine(backend.local_stats(x, weight, coef, local_label, chunk_size), group)
-        logprob = torch.where(valid, st.logprob(), 0.0)
-        entropy = torch.where(valid, st.entropy, 0.0)
+    def forward(ctx, hidden, weight, p: KernelParams):
+        group, sp, backend = p.group, p.sequence_parallel, p.backend
+        x = gather_tokens(hidden, group) if sp else hidden
+        local_label = local_labels(p.labels, p.valid, p.vocab_start, weight.shape[0])
+        st = combine(backend.local_stats(x, weight, p.coef, local_label, p.chunk_size), group)
+        logprob = torch.where(p.valid, st.logprob(), 0.0)
+        entropy = torch.where(p.valid, st.entropy, 0.0)
         logz = st.max + st.log_s
-        label_is_argmax = valid & label_is_row_max(st)
-        ctx.save_for_backward(x, weight, local_label, coef, valid, st.max, st.log_s, entropy)
-        ctx.group, ctx.sequence_parallel = group, sequence_parallel
-        ctx.chunk_size, ctx.backend, ctx.hidden_shape = chunk_size, backend, hidden.shape
+        label_is_argmax = p.valid & label_is_row_max(st)
+        ctx.save_for_backward(x, weight, local_label, st.max, st.log_s, entropy)
+        ctx.params, ctx.hidden_shape = p, hidden.shape
         ctx.mark_non_differentiable(logz, label_is_argmax)
         return logprob, entropy, logz, label_is_argmax
 
     @staticmethod
     def backward(ctx, d_logprob, d_entropy, _d_logz, _d_argmax):
-        x, weight, local_label, coef, valid, m, log_s, entropy = ctx.saved_tensors
+        x, weight, local_label, m, log_s, entropy = ctx.saved_tensors
+        p: KernelParams = ctx.params
         zero = torch.zeros_like(m)
-        g1 = torch.where(valid, d_logprob.float(), zero) if d_logprob is not None else zero
-        g2 = torch.where(valid, d_entropy.float(), zero) if d_entropy is not None else zero
+        g1 = torch.where(p.valid, d_logprob.float(), zero) if d_logprob is not None else zero
+        g2 = torch.where(p.valid, d_entropy.float(), zero) if d_entropy is not None else zero
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = ctx.backend.grads(
-            x, weight, coef, local_label, m, log_s, entropy, g1, g2, ctx.chunk_size, need_x, need_w
+        dx, dw = p.backend.grads(
+            x, weight, p.coef, local_label, m, log_s, entropy, g1, g2, p.chunk_size, need_x, need_w
         )
         if dx is not None:
-            dx = reduce_hidden_grad(dx, ctx.group, ctx.sequence_parallel).view(ctx.hidden_shape)
-        return dx, dw, None, None, None, None, None, None, None, None
+            dx = reduce_hidden_grad(dx, p.group, p.sequence_parallel).view(ctx.hidden_shape)
+        return dx, dw, None
 
 
-class LinearCrossEntropy(torch.autograd.Function):
-    """``sum_i token_weight_i * (logZ_i - l_i[y_i])`` over valid tokens, gradients formed in the
-    forward. dX and dW are kept in float32 until the backward scales them by the upstream
-    gradient, so each is rounded to the input dtype once, as the stock single matmul rounds it."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, coef, token_weight, valid, vocab_start, group,
-                sequence_parallel, chunk_size, backend, need_x, need_w):
-        x = gather_tokens(hidden, group) if sequence_parallel else hidden
-        n, v_local = x.shape[0], weight.shape[0]
-        local_label = local_labels(labels, valid, vocab_start, v_local)
-        tw = torch.where(valid, token_weight.float(), 0.0)
-        scale = tw * coef  # d loss / d raw logit = tw * coef * (p - onehot)
-        f32 = dict(dtype=torch.float32, device=x.device)
-        loss = torch.zeros(n, **f32)
-        dx = torch.empty((n, x.shape[1]), **f32) if need_x else None
-        dw = torch.empty(weight.shape, **f32) if need_w else None
-        # dz holds `chunk_size` tokens (the K of each dW product: fewer passes over the fp32
-        # accumulator); their fp32 logits are made half a chunk at a time.
-        c = min(chunk_size, n)
-        cz = -(-c // 2)
-        z = torch.empty((cz, v_local), **f32)
-        dz = torch.empty((c, v_local), dtype=x.dtype, device=x.device)
-        for start in range(0, n, c):
-            end = min(start + c, n)
-            for s0 in range(start, end, cz):
-                s1 = min(s0 + cz, end)
-                rows, zc = slice(s0, s1), z[: s1 - s0]
-                mm_f32(x[rows], weight.t(), out=zc)
-                st = combine(backend.ce_row_stats(zc, coef[rows], local_label[rows]), group)
-                loss[rows] = tw[rows] * -st.logprob()
-                backend.ce_row_grad(zc, coef[rows], local_label[rows], st.max, st.log_s,
-                                    scale[rows], dz[s0 - start : s1 - start])
-            xc, dzc = x[start:end], dz[: end - start]
-            if need_x:
-                mm_f32(dzc, weight, out=dx[start:end])
-            if need_w:
-                if start == 0:
-                    mm_f32(dzc.t(), xc, out=dw)
-                else:
-                    addmm_f32_(dw, dzc.t(), xc)
-        del z, dz
-        ctx.save_for_backward(dx, dw)
-        ctx.group, ctx.sequence_parallel, ctx.hidden_shape = group, sequence_parallel, hidden.shape
-        ctx.dtype = x.dtype
-        return loss.sum()
+class LinearFusedLoss(torch.autograd.Function):
+    """A :class:`TokenLoss` summed over tokens, a float32 scalar, with its gradients formed in
+    the forward (:meth:`Backend.fused_loss`); also returns the detached per-token log-probs and
+    entropies (zeros where the loss did not need them). dX and dW are kept in float32 until the
+    backward scales them by the upstream gradient, so each is rounded to the input dtype once,
+    as the stock single matmul rounds it."""
 
     @staticmethod
-    def backward(ctx, grad):
+    def forward(ctx, hidden, weight, p: KernelParams, token_loss: TokenLoss, need_x: bool,
+                need_w: bool):
+        x = gather_tokens(hidden, p.group) if p.sequence_parallel else hidden
+        local_label = local_labels(p.labels, p.valid, p.vocab_start, weight.shape[0])
+        r = p.backend.fused_loss(x, weight, p, local_label, token_loss, need_x, need_w)
+        ctx.save_for_backward(r.dx, r.dw)
+        ctx.params, ctx.hidden_shape, ctx.dtype = p, hidden.shape, x.dtype
+        entropy = r.entropy if r.entropy is not None else torch.zeros_like(r.logprob)
+        ctx.mark_non_differentiable(r.logprob, entropy)
+        return r.loss.sum(), r.logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad, _d_logprob, _d_entropy):
         dx32, dw32 = ctx.saved_tensors
+        p: KernelParams = ctx.params
         dx = dw = None
         if dx32 is not None:
             dx = torch.mul(dx32, grad, out=torch.empty(dx32.shape, dtype=ctx.dtype, device=dx32.device))
-            dx = reduce_hidden_grad(dx, ctx.group, ctx.sequence_parallel).view(ctx.hidden_shape)
+            dx = reduce_hidden_grad(dx, p.group, p.sequence_parallel).view(ctx.hidden_shape)
         if dw32 is not None:
             dw = torch.mul(dw32, grad, out=torch.empty(dw32.shape, dtype=ctx.dtype, device=dw32.device))
-        return dx, dw, *([None] * 11)
+        return dx, dw, None, None, None, None

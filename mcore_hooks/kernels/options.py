@@ -21,3 +21,35 @@ class VocabParallel:
     group: Optional[Any] = None
     vocab_start: int = 0
     sequence_parallel: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelParams:
+    """Everything the autograd Functions take besides the differentiable ``hidden`` and
+    ``weight``, checked and in the kernels' form (one argument, so their backward returns one
+    ``None`` for it, never a hand-counted list).
+
+    Attributes:
+        labels: ``[N]`` long global vocabulary ids; -1 where there are none (entropy only).
+        valid: ``[N]`` bool, the positions that count (label not ``ignore_index``).
+        coef: ``[N]`` float32 ``logit_scale / temperature``.
+        vocab_start: global id of this rank's first vocabulary row.
+        group: the tensor-parallel group (None when the vocabulary is not split).
+        sequence_parallel: ``hidden`` is this rank's token shard (gathered, gradient scattered).
+        chunk_size: tokens per chunk of the backend's loops.
+        backend: the backend that runs the loops (:class:`~mcore_hooks.kernels.autograd.Backend`).
+    """
+
+    labels: Any
+    valid: Any
+    coef: Any
+    vocab_start: int
+    group: Optional[Any]
+    sequence_parallel: bool
+    chunk_size: int
+    backend: Any
+
+    @property
+    def n(self) -> int:
+        """Tokens (all of them under sequence parallelism)."""
+        return self.labels.shape[0]

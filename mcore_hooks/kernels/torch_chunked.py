@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .autograd import LocalStats
+from .autograd import Backend, LocalStats
 from .matmul import addmm_f32_, mm_f32
 
 
@@ -18,7 +18,7 @@ def _chunk_logits(x, weight, coef, start, end):
     return z.mul_(coef[start:end].unsqueeze(1))
 
 
-class TorchChunked:
+class TorchChunked(Backend):
     name = "torch"
 
     @staticmethod
@@ -69,16 +69,24 @@ class TorchChunked:
         return dx, (dw.to(weight.dtype) if need_w else None)
 
     @staticmethod
-    def ce_row_stats(z, coef, local_label) -> LocalStats:
+    def row_stats(z, coef, local_label, with_entropy) -> LocalStats:
         l = z * coef.unsqueeze(1)
         m = l.amax(dim=1)
-        s = torch.exp(l - m.unsqueeze(1)).sum(dim=1)
         t = l.gather(1, local_label.clamp(min=0).unsqueeze(1)).squeeze(1)
-        return LocalStats(m, s, torch.zeros_like(m), torch.where(local_label >= 0, t, 0.0))
+        d = l.sub_(m.unsqueeze(1))  # l - m <= 0
+        e = torch.exp(d)
+        a = (e * d).sum(dim=1) if with_entropy else torch.zeros_like(m)
+        return LocalStats(m, e.sum(dim=1), a, torch.where(local_label >= 0, t, 0.0))
 
     @staticmethod
-    def ce_row_grad(z, coef, local_label, m, log_s, scale, out):
-        g = torch.exp((z * coef.unsqueeze(1) - m.unsqueeze(1)).sub_(log_s.unsqueeze(1)))  # p
-        owned = (local_label >= 0).to(g.dtype).unsqueeze(1)
-        g.scatter_add_(1, local_label.clamp(min=0).unsqueeze(1), -owned)  # p - onehot
-        return out.copy_(g.mul_(scale.unsqueeze(1)))
+    def row_grad(z, coef, local_label, m, log_s, g1, g2, entropy, out):
+        # log p, then dL/dl = -p (g1 + g2 (log p + H)) + g1 1[j = y]; dz = coef * dL/dl
+        logp = (z * coef.unsqueeze(1)).sub_(m.unsqueeze(1)).sub_(log_s.unsqueeze(1))
+        g = torch.exp(logp)
+        if g2 is None:
+            g.mul_(-g1.unsqueeze(1))
+        else:
+            g.mul_(logp.add_(entropy.unsqueeze(1)).mul_(g2.unsqueeze(1)).add_(g1.unsqueeze(1))).neg_()
+        owned = local_label >= 0
+        g.scatter_add_(1, local_label.clamp(min=0).unsqueeze(1), torch.where(owned, g1, 0.0).unsqueeze(1))
+        return out.copy_(g.mul_(coef.unsqueeze(1)))

@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from .autograd import LocalStats, merge_partials
+from .autograd import Backend, LocalStats, merge_partials
 from .matmul import addmm_f32_
 
 try:  # Triton is optional; the torch backend needs none of this.
@@ -266,30 +266,41 @@ if triton is not None:
         tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-    # Row passes of the reduced cross-entropy over one chunk's materialised fp32 logits (raw
-    # x @ W.T; coef applied on load). One program per row; memory-bound.
+    # Row passes of the losses with gradients formed in the forward, over one chunk's
+    # materialised fp32 logits (raw x @ W.T; coef applied on load). One program per row;
+    # memory-bound.
     @triton.jit
-    def _ce_row_stats_kernel(Z, COEF, LABEL, M, S, T, V, stride_z, BLOCK: tl.constexpr):
+    def _row_stats_kernel(Z, COEF, LABEL, M, S, A, T, V, stride_z, BLOCK: tl.constexpr,
+                          ENTROPY: tl.constexpr):
         row = tl.program_id(0)
         base = Z + row.to(tl.int64) * stride_z
         coef = tl.load(COEF + row)
         label = tl.load(LABEL + row)
         m = tl.max(tl.full([BLOCK], -1e30, dtype=tl.float32), axis=0)  # finite start, as above
         s = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)
+        a = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)
         for j in range(0, V, BLOCK):
             cols = j + tl.arange(0, BLOCK)
-            l = tl.load(base + cols, mask=cols < V, other=-float("inf")) * coef
+            cmask = cols < V
+            l = tl.load(base + cols, mask=cmask, other=0.0) * coef
+            l = tl.where(cmask, l, -1e30)  # past the end: exp underflows to 0, e * d is -0
             m_new = tl.maximum(m, tl.max(l, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(l - m_new), axis=0)
+            alpha = tl.exp(m - m_new)
+            d = l - m_new
+            e = tl.exp(d)
+            if ENTROPY:
+                a = alpha * (a + (m - m_new) * s) + tl.sum(e * d, axis=0)
+            s = s * alpha + tl.sum(e, axis=0)
             m = m_new
         t = tl.load(base + tl.maximum(label, 0)) * coef
         tl.store(M + row, m)
         tl.store(S + row, s)
+        tl.store(A + row, a)
         tl.store(T + row, tl.where(label >= 0, t, 0.0))
 
     @triton.jit
-    def _ce_row_grad_kernel(Z, DZ, COEF, LABEL, M, LOGS, SCALE, V, stride_z, stride_dz,
-                            BLOCK: tl.constexpr):
+    def _row_grad_kernel(Z, DZ, COEF, LABEL, M, LOGS, G1, G2, ENT, V, stride_z, stride_dz,
+                         BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
         row = tl.program_id(0)
         base = Z + row.to(tl.int64) * stride_z
         out = DZ + row.to(tl.int64) * stride_dz
@@ -297,13 +308,21 @@ if triton is not None:
         label = tl.load(LABEL + row)
         m = tl.load(M + row)
         log_s = tl.load(LOGS + row)
-        scale = tl.load(SCALE + row)
+        g1 = tl.load(G1 + row)
+        if ENTROPY:  # log p + H = u + (H - log s)
+            g2 = tl.load(G2 + row)
+            shift = tl.load(ENT + row) - log_s
         for j in range(0, V, BLOCK):
             cols = j + tl.arange(0, BLOCK)
             mask = cols < V
-            p = tl.exp((tl.load(base + cols, mask=mask, other=0.0) * coef - m) - log_s)
-            g = (p - tl.where(cols == label, 1.0, 0.0)) * scale
-            tl.store(out + cols, g.to(DZ.dtype.element_ty), mask=mask)
+            u = tl.load(base + cols, mask=mask, other=0.0) * coef - m
+            p = tl.exp(u - log_s)
+            if ENTROPY:
+                dl = -p * (g1 + g2 * (u + shift))
+            else:
+                dl = -p * g1
+            dl += tl.where(cols == label, g1, 0.0)
+            tl.store(out + cols, (dl * coef).to(DZ.dtype.element_ty), mask=mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -333,15 +352,15 @@ def _operands(x: torch.Tensor, weight: torch.Tensor, tile: Tile, tma: bool) -> t
     )
 
 
-class TritonFused:
+class TritonFused(Backend):
     """The Triton backend with one GPU family's :class:`Tiles`."""
 
     name = "triton"
-    # Reduced cross-entropy: bytes of one token chunk's logit gradient plus half a chunk of fp32
-    # logits. Larger chunks mean fewer passes of cuBLAS over the fp32 dW accumulator (V x H x 8
+    # Losses with gradients in the forward: bytes of one token chunk's logit gradient plus half
+    # a chunk of fp32 logits. Larger chunks mean fewer passes of cuBLAS over the fp32 dW accumulator (V x H x 8
     # bytes each): at 16384 x 4096 x 151936 on an H200, dW runs at 91% of the matmul ceiling with
     # 4096-token chunks, 85% with 2048 (benchmarks/profile_h200_ce.log).
-    ce_chunk_bytes = 5 << 29
+    fused_chunk_bytes = 5 << 29
 
     def __init__(self, tiles: Tiles = TILES[0]) -> None:
         self.tiles = tiles
@@ -406,16 +425,18 @@ class TritonFused:
         return (dx_out.copy_(dx) if need_x else None), dw
 
     @staticmethod
-    def ce_row_stats(z, coef, local_label) -> LocalStats:
+    def row_stats(z, coef, local_label, with_entropy) -> LocalStats:
         c, v = z.shape
-        m, s, t = torch.empty((3, c), dtype=torch.float32, device=z.device)
-        _ce_row_stats_kernel[(c,)](z, coef, local_label, m, s, t, v, z.stride(0),
-                                   BLOCK=_ROW_BLOCK, num_warps=8)
-        return LocalStats(m, s, torch.zeros_like(m), t)
+        m, s, a, t = torch.empty((4, c), dtype=torch.float32, device=z.device)
+        _row_stats_kernel[(c,)](z, coef, local_label, m, s, a, t, v, z.stride(0),
+                                BLOCK=_ROW_BLOCK, ENTROPY=with_entropy, num_warps=8)
+        return LocalStats(m, s, a, t)
 
     @staticmethod
-    def ce_row_grad(z, coef, local_label, m, log_s, scale, out):
+    def row_grad(z, coef, local_label, m, log_s, g1, g2, entropy, out):
         c, v = z.shape
-        _ce_row_grad_kernel[(c,)](z, out, coef, local_label, m, log_s, scale, v, z.stride(0),
-                                  out.stride(0), BLOCK=_ROW_BLOCK, num_warps=8)
+        ent = g2 is not None
+        _row_grad_kernel[(c,)](z, out, coef, local_label, m, log_s, g1, g2 if ent else g1,
+                               entropy if ent else g1, v, z.stride(0), out.stride(0),
+                               BLOCK=_ROW_BLOCK, ENTROPY=ent, num_warps=8)
         return out

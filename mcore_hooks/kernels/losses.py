@@ -1,0 +1,283 @@
+"""Per-token losses for the fused path (:class:`~.autograd.TokenLoss`): the weighted negative
+log-likelihood behind :func:`~mcore_hooks.kernels.linear_cross_entropy`, and policy losses, the
+PPO/GRPO objective (:class:`PolicyLoss`) or any per-token function in plain torch
+(:func:`per_token_loss`), with their aggregation over tokens and sequences as token weights
+(:func:`aggregation_weights`).
+
+A per-token function's derivatives in the log-prob and entropy are taken by autograd on each
+chunk's float32 values (a few ``[chunk]`` vectors), so a built-in or custom objective gets the same
+gradient as the stock loss written with the same torch operations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..compat import group_rank_size
+from ..debug import check_values
+from .autograd import TokenGrads
+
+AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+class PolicyLossResult(NamedTuple):
+    """What :func:`~mcore_hooks.kernels.linear_policy_loss` returns.
+
+    Attributes:
+        loss: the float32 scalar loss (differentiable).
+        logprob: detached float32 ``[N]`` log-probs of the labels (0 where ignored).
+        entropy: detached float32 ``[N]`` entropies (0 where ignored, or where the loss does
+            not use the entropy).
+    """
+
+    loss: torch.Tensor
+    logprob: torch.Tensor
+    entropy: torch.Tensor
+
+
+class WeightedNLL:
+    """``sum_i w_i * -logprob_i``: the reduced cross-entropy."""
+
+    needs_entropy = False
+
+    def __init__(self, token_weight: torch.Tensor) -> None:
+        self.token_weight = token_weight
+
+    def __call__(self, rows: slice, logprob: torch.Tensor, entropy: Optional[torch.Tensor]) -> TokenGrads:
+        w = self.token_weight[rows]
+        return TokenGrads(-w * logprob, -w, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLoss:
+    """The PPO / GRPO per-token objective (to be minimised), as verl's ``compute_policy_loss_vanilla``
+    and ``kl_penalty`` write it.
+
+    With ``r = exp(clamp(logprob - old_logprobs, -log_ratio_limit, log_ratio_limit))`` and
+    advantage ``A``:
+
+    * clipped surrogate (Schulman et al. 2017, arXiv:1707.06347; asymmetric "clip-higher" bounds
+      as in DAPO, arXiv:2503.14476): ``pg = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``;
+    * dual clip (Ye et al. 2020, arXiv:1912.09729), with ``dual_clip = c > 1``: where ``A < 0``,
+      ``pg = min(pg, -A c)``;
+    * KL to the reference policy (Schulman, "Approximating KL divergence", 2020), with
+      ``d = ref_logprobs - logprob``: ``k1 = -d``; ``k3 = exp(d') - d' - 1`` with
+      ``d' = clamp(d, -20, 20)``, clamped to ``[-10, 10]``; added as ``kl_coef * kl``;
+    * entropy bonus: ``- entropy_coef * entropy``.
+
+    Attributes:
+        clip_low: ``epsilon_low`` of the clipped ratio (>= 0, < 1).
+        clip_high: ``epsilon_high`` (>= 0; None: ``clip_low``).
+        dual_clip: the dual-clip bound ``c`` (> 1), or None for none.
+        kl_coef: the KL term's coefficient (0: no KL term, no ``ref_logprobs`` needed).
+        kl_type: ``"k1"`` or ``"k3"`` (verl's ``low_var_kl``).
+        entropy_coef: the entropy bonus' coefficient (0: the entropy is not computed).
+        log_ratio_limit: the clamp of ``logprob - old_logprobs`` before ``exp`` (verl: 20).
+    """
+
+    clip_low: float = 0.2
+    clip_high: Optional[float] = None
+    dual_clip: Optional[float] = None
+    kl_coef: float = 0.0
+    kl_type: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = 0.0
+    log_ratio_limit: float = 20.0
+
+    def __post_init__(self) -> None:
+        def number(name: str, v: Any, ok: Callable[[float], bool], what: str) -> None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+                raise ValueError(f"{name}: expected {what}, got {v!r}")
+
+        number("clip_low", self.clip_low, lambda v: 0 <= v < 1, "a float in [0, 1)")
+        if self.clip_high is not None:
+            number("clip_high", self.clip_high, lambda v: v >= 0, "a float >= 0 or None")
+        if self.dual_clip is not None:
+            number("dual_clip", self.dual_clip, lambda v: v > 1, "a float > 1 or None")
+        number("kl_coef", self.kl_coef, lambda v: True, "a finite float")
+        if self.kl_type not in ("k1", "k3"):
+            raise ValueError(f"kl_type: expected 'k1' or 'k3', got {self.kl_type!r}")
+        number("entropy_coef", self.entropy_coef, lambda v: True, "a finite float")
+        number("log_ratio_limit", self.log_ratio_limit, lambda v: v > 0, "a positive float")
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.entropy_coef != 0
+
+    @property
+    def input_names(self) -> tuple[str, ...]:
+        """The per-token inputs it takes."""
+        return ("old_logprobs", "advantages") + (("ref_logprobs",) if self.kl_coef != 0 else ())
+
+    def __call__(
+        self, logprob: torch.Tensor, entropy: Optional[torch.Tensor], *, old_logprobs: torch.Tensor,
+        advantages: torch.Tensor, ref_logprobs: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Each token's loss term (any shape; elementwise)."""
+        ratio = torch.exp(torch.clamp(logprob - old_logprobs, -self.log_ratio_limit, self.log_ratio_limit))
+        high = self.clip_low if self.clip_high is None else self.clip_high
+        pg = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 1 - self.clip_low, 1 + high))
+        if self.dual_clip is not None:
+            pg = torch.where(advantages < 0, torch.minimum(pg, -advantages * self.dual_clip), pg)
+        if self.kl_coef != 0:
+            if ref_logprobs is None:
+                raise ValueError("ref_logprobs: needed by the KL term (kl_coef != 0)")
+            if self.kl_type == "k1":
+                kl = logprob - ref_logprobs
+            else:
+                d = torch.clamp(ref_logprobs - logprob, -20, 20)
+                kl = torch.clamp(torch.exp(d) - d - 1, -10, 10)
+            pg = pg + self.kl_coef * kl
+        if self.entropy_coef != 0:
+            pg = pg - self.entropy_coef * entropy
+        return pg
+
+
+class PerTokenLoss:
+    """A per-token function ``fn(logprob, entropy, **inputs) -> [c] terms`` made a
+    :class:`~.autograd.TokenLoss` for one call by :meth:`bind`."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], needs_entropy: bool,
+                 input_names: Optional[tuple[str, ...]]) -> None:
+        self.fn, self.needs_entropy, self.input_names = fn, needs_entropy, input_names
+
+    def bind(self, token_weight: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+             valid: torch.Tensor) -> "_BoundPerTokenLoss":
+        """This call's :class:`~.autograd.TokenLoss`: ``sum_i token_weight_i * fn(...)_i``. Inputs
+        at positions that do not count (weight 0 or ignored) are replaced by 0 first, so padding
+        that holds NaN or garbage contributes neither a value nor a gradient."""
+        if self.input_names is not None:
+            missing = [k for k in self.input_names if k not in inputs]
+            if missing:
+                raise ValueError(f"inputs: missing {', '.join(map(repr, missing))} (the loss takes "
+                                 f"{', '.join(map(repr, self.input_names))})")
+            extra = [k for k in inputs if k not in self.input_names]
+            if extra:
+                raise ValueError(f"inputs: unexpected {', '.join(map(repr, extra))} (the loss takes "
+                                 f"{', '.join(map(repr, self.input_names))})")
+        counts = valid & (token_weight != 0)
+        for name, t in inputs.items():
+            if check_values(t) and not bool(torch.isfinite(t[counts]).all()):
+                raise ValueError(f"inputs[{name!r}]: NaN or infinite values at positions that count")
+        safe = {k: torch.where(counts, v, 0.0) for k, v in inputs.items()}
+        return _BoundPerTokenLoss(self, token_weight, safe)
+
+
+class _BoundPerTokenLoss:
+    def __init__(self, loss: PerTokenLoss, token_weight: torch.Tensor,
+                 inputs: Mapping[str, torch.Tensor]) -> None:
+        self.loss, self.token_weight, self.inputs = loss, token_weight, inputs
+        self.needs_entropy = loss.needs_entropy
+
+    def __call__(self, rows: slice, logprob: torch.Tensor, entropy: Optional[torch.Tensor]) -> TokenGrads:
+        with torch.enable_grad():
+            lp = logprob.detach().requires_grad_()
+            ent = entropy.detach().requires_grad_() if entropy is not None else None
+            f = self.loss.fn(lp, ent, **{k: v[rows] for k, v in self.inputs.items()})
+            if not isinstance(f, torch.Tensor) or f.shape != lp.shape:
+                raise ValueError(
+                    f"loss: the per-token function must return one value per token (shape "
+                    f"{tuple(lp.shape)}), got {tuple(getattr(f, 'shape', ())) or type(f).__name__}"
+                )
+            terms = f.float() * self.token_weight[rows]
+            wrt = [lp] if ent is None else [lp, ent]
+            grads = torch.autograd.grad(terms.sum(), wrt, allow_unused=True) if terms.requires_grad else (None, None)
+        g_lp = grads[0] if grads[0] is not None else torch.zeros_like(logprob)
+        g_ent = grads[1] if ent is not None else None
+        return TokenGrads(terms.detach(), g_lp, g_ent)
+
+
+def per_token_loss(
+    loss: Any, *, needs_entropy: Optional[bool] = None
+) -> PerTokenLoss:
+    """A :class:`PolicyLoss` or a plain-torch function as the fused path's per-token loss.
+
+    Args:
+        loss: a :class:`PolicyLoss`, a :class:`PerTokenLoss`, or a function
+            ``fn(logprob, entropy, **inputs)`` returning each token's term (elementwise, float;
+            ``entropy`` is None when not computed). It is differentiated by autograd.
+        needs_entropy: whether the function reads the entropy (default: the loss' own
+            ``needs_entropy`` attribute, else True). False saves the entropy's work.
+
+    Returns:
+        The :class:`PerTokenLoss` that :func:`~mcore_hooks.kernels.linear_policy_loss` binds.
+    """
+    if isinstance(loss, PerTokenLoss):
+        return loss
+    if not callable(loss):
+        raise TypeError(f"loss: expected a PolicyLoss or a per-token function, got {type(loss).__name__}")
+    if needs_entropy is None:
+        needs_entropy = bool(getattr(loss, "needs_entropy", True))
+    return PerTokenLoss(loss, needs_entropy, getattr(loss, "input_names", None))
+
+
+def aggregation_weights(
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    *,
+    sequence_ids: Optional[torch.Tensor] = None,
+    num_sequences: Optional[int] = None,
+    group: Any = None,
+) -> torch.Tensor:
+    """Token weights that make ``sum_i w_i * term_i`` the aggregated loss (verl's ``agg_loss``).
+
+    * ``token-mean``: ``mask_i / max(1, sum mask)``;
+    * ``token-sum``: ``mask_i``;
+    * ``seq-mean-token-sum``: ``mask_i / S``, ``S`` the number of sequences with a token that
+      counts (at least 1);
+    * ``seq-mean-token-mean``: ``mask_i / (n_seq(i) * S)``, ``n_seq`` that sequence's count.
+
+    The sums are taken over ``group`` too (context parallelism: each rank holds part of every
+    sequence), so each rank's weights are its share of the whole batch's.
+
+    Args:
+        mask: ``[N]`` bool or float, the tokens that count (a float mask weighs them).
+        mode: one of ``token-mean``, ``token-sum``, ``seq-mean-token-sum``,
+            ``seq-mean-token-mean``.
+        sequence_ids: ``[N]`` long, the sequence of each token in ``[0, num_sequences)`` (the
+            ``seq-mean`` modes).
+        num_sequences: how many sequences (the ``seq-mean`` modes).
+        group: a process group to sum over (None: this rank alone).
+
+    Returns:
+        float32 ``[N]`` weights (no gradient).
+    """
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"mode: expected one of {', '.join(map(repr, AGGREGATIONS))}, got {mode!r}")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 1:
+        raise ValueError(f"mask: expected a 1-D tensor (one per token), got {getattr(mask, 'shape', type(mask).__name__)}")
+    m = mask.detach().float()
+    if mode == "token-sum":
+        return m
+    if mode == "token-mean":
+        return m / _group_sum(m.sum(), group).clamp(min=1.0)
+    if not isinstance(num_sequences, int) or isinstance(num_sequences, bool) or num_sequences < 1:
+        raise ValueError(f"num_sequences: expected a positive int for {mode!r}, got {num_sequences!r}")
+    if (not isinstance(sequence_ids, torch.Tensor) or sequence_ids.shape != m.shape
+            or sequence_ids.dtype.is_floating_point or sequence_ids.dtype == torch.bool):
+        raise ValueError(
+            f"sequence_ids: expected an integer tensor of shape {tuple(m.shape)} for {mode!r}, got "
+            f"{getattr(sequence_ids, 'dtype', type(sequence_ids).__name__)} "
+            f"{tuple(getattr(sequence_ids, 'shape', ()))}"
+        )
+    ids = sequence_ids.to(device=m.device, dtype=torch.long)
+    if check_values(ids) and bool(((ids < 0) | (ids >= num_sequences)).any()):
+        raise ValueError(f"sequence_ids: values must lie in [0, {num_sequences})")
+    counts = torch.zeros(num_sequences, dtype=torch.float32, device=m.device).index_add_(0, ids, m)
+    counts = _group_sum(counts, group)
+    num = (counts != 0).sum().float().clamp(min=1.0)
+    if mode == "seq-mean-token-sum":
+        return m / num
+    per_seq = counts[ids]
+    return torch.where(per_seq != 0, m / (per_seq * num), 0.0)
+
+
+def _group_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+    t = t.detach().clone()
+    if group is not None and group_rank_size(group)[1] > 1:
+        dist.all_reduce(t, group=group)
+    return t
