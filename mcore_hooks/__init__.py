@@ -10,11 +10,12 @@ Public API (everything else is internal):
   (the stock class itself where it already has the hook);
 * :func:`check_output_processor`, ``OUTPUT_PROCESSOR_KEYWORDS`` — the call convention;
 * the bundled processors (:mod:`mcore_hooks.processors`): :class:`FusedLogprobProcessor`,
-  :class:`EntropyProcessor`, :class:`LogprobEntropyProcessor`, :class:`LinearCEProcessor`;
+  :class:`EntropyProcessor`, :class:`LogprobEntropyProcessor`, :class:`LinearCEProcessor`,
+  :class:`PolicyLossProcessor`;
 * :func:`debug_checks`, :func:`set_debug_checks` — checks that read device values (label
   range, temperatures), off on CUDA by default to keep the hot path free of host syncs;
 * :mod:`mcore_hooks.kernels` — the math on plain tensors: ``linear_logprob_entropy``,
-  ``linear_cross_entropy``, ``VocabParallel``.
+  ``linear_cross_entropy``, ``linear_policy_loss``, ``PolicyLoss``, ``VocabParallel``.
 
 ``mcore_hooks.testing`` holds tiny CPU models and a multi-rank launcher for tests; ``mcore-hooks
 verify`` (or ``python -m mcore_hooks verify``) checks the bundled processors against stock.
@@ -38,6 +39,7 @@ from .processors import (
     FusedLogprobProcessor,
     LinearCEProcessor,
     LogprobEntropyProcessor,
+    PolicyLossProcessor,
 )
 
 __version__ = "0.1.0"
@@ -50,6 +52,7 @@ __all__ = [
     "LinearCEProcessor",
     "LogprobEntropyProcessor",
     "PostprocessContext",
+    "PolicyLossProcessor",
     "PostprocessProcessor",
     "check_output_processor",
     "debug_checks",

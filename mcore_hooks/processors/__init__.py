@@ -6,7 +6,13 @@ and packed sequences. Subclass them (or :class:`~mcore_hooks.PostprocessProcesso
 """
 
 from ..postprocess import DefaultProcessor
-from .fused import EntropyProcessor, FusedLogprobProcessor, LinearCEProcessor, LogprobEntropyProcessor
+from .fused import (
+    EntropyProcessor,
+    FusedLogprobProcessor,
+    LinearCEProcessor,
+    LogprobEntropyProcessor,
+    PolicyLossProcessor,
+)
 
 __all__ = [
     "DefaultProcessor",
@@ -14,4 +20,5 @@ __all__ = [
     "EntropyProcessor",
     "LogprobEntropyProcessor",
     "LinearCEProcessor",
+    "PolicyLossProcessor",
 ]

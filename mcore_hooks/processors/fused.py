@@ -19,19 +19,25 @@ from ..debug import check_values
 from ..kernels import (
     BACKENDS,
     LogprobEntropy,
+    PolicyLoss,
     VocabParallel,
+    aggregation_weights,
     linear_cross_entropy,
     linear_logprob_entropy,
+    linear_policy_loss,
+    per_token_loss,
 )
+from ..kernels.losses import AGGREGATIONS
 from ..mtp import MTPDepth, MTPLoss, fused_mtp_loss
 from ..postprocess import PostprocessContext, PostprocessProcessor
-from .labels import labels_from_input_ids, per_token_temperature
+from .labels import labels_from_input_ids, per_token_temperature, sequence_index
 
 __all__ = [
     "FusedLogprobProcessor",
     "EntropyProcessor",
     "LogprobEntropyProcessor",
     "LinearCEProcessor",
+    "PolicyLossProcessor",
 ]
 
 
@@ -334,6 +340,106 @@ class LinearCEProcessor(_FusedProcessor):
         if ctx.cp_size > 1:  # the whole sequence's value, this rank's gradient
             loss = loss + (_cp_sum(loss.detach(), ctx.cp_group) - loss.detach())
         return loss
+
+
+class PolicyLossProcessor(_FusedProcessor):
+    """A PPO / GRPO policy loss fused with the output layer: no ``[tokens, vocab]`` logits, the
+    gradients formed in the forward (:func:`~mcore_hooks.kernels.linear_policy_loss`: three
+    matmuls where the log-prob path followed by the loss takes four).
+
+    The labels are the sampled tokens (``labels``, or derived from ``input_ids``). The per-token
+    inputs the loss takes (for :class:`~mcore_hooks.kernels.PolicyLoss`: ``old_logprobs``,
+    ``advantages`` and, with a KL term, ``ref_logprobs``) come as float ``[b, s]`` tensors in a
+    mapping passed as ``output_processor_context`` (override :meth:`policy_inputs` to take them
+    from elsewhere). The tokens that count are those whose label is not ``ignore_index``, times
+    ``loss_mask`` when the model got one. Aggregation as verl's ``agg_loss``: ``token-mean``,
+    ``token-sum``, ``seq-mean-token-sum``, ``seq-mean-token-mean`` (a sequence is a row of the
+    batch, or a packed sequence of THD input).
+
+    Under context parallelism the value is the whole sequences' on every CP rank (counts summed
+    over the CP group) and each rank's gradient its own tokens' share, as
+    :class:`LinearCEProcessor`'s.
+
+    Returns ``{"loss": scalar, "logprobs": [b, s], "entropy": [b, s]}`` (detached log-probs and
+    entropies for metrics; entropies are 0 unless the loss uses them), or with
+    ``as_tuple=True`` the tuple ``(loss, logprobs, entropy)``.
+
+    Objectives that couple the tokens of a sequence (GSPO's sequence-level ratio) are not
+    per-token: use :class:`LogprobEntropyProcessor` and the loss in torch (the docs show it).
+
+    Args:
+        loss: a :class:`~mcore_hooks.kernels.PolicyLoss`, or a per-token function
+            ``fn(logprob, entropy, **inputs)`` in plain torch (differentiated by autograd; see
+            :func:`~mcore_hooks.kernels.per_token_loss`).
+        aggregation: how the per-token terms make the loss (see above).
+        as_tuple: return the tuple instead of the dict.
+        temperature: divides the logits (never the log-probs): a positive float, or a 1-D float
+            tensor of one per sample (``[b]``; one per packed sequence with packed THD input).
+        ignore_index: the label of positions to skip (never a vocabulary id).
+        chunk_size: tokens per chunk (None: the backend's default budget).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+    """
+
+    def __init__(
+        self,
+        *,
+        loss: Any = None,
+        aggregation: str = "token-mean",
+        as_tuple: bool = False,
+        temperature: Union[float, torch.Tensor] = 1.0,
+        ignore_index: int = -100,
+        chunk_size: Optional[int] = None,
+        backend: str = "auto",
+    ) -> None:
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"aggregation: expected one of {', '.join(map(repr, AGGREGATIONS))}, got {aggregation!r}"
+            )
+        _check_flag("as_tuple", as_tuple)
+        self._set_options(temperature, ignore_index, chunk_size, backend)
+        self.loss = per_token_loss(PolicyLoss() if loss is None else loss)
+        self.aggregation = aggregation
+        self.as_tuple = as_tuple
+
+    def policy_inputs(self, ctx: PostprocessContext) -> dict:
+        """The per-token inputs, float ``[b, s]`` by name: ``output_processor_context``."""
+        inputs = ctx.context
+        if not isinstance(inputs, dict) and not hasattr(inputs, "items"):
+            raise ValueError(
+                "output_processor_context: expected a mapping of the loss' per-token inputs "
+                "(e.g. {'old_logprobs': ..., 'advantages': ...}, each [b, s]), got "
+                f"{type(inputs).__name__}"
+            )
+        return dict(inputs.items())
+
+    def process(self, ctx: PostprocessContext) -> Union[dict, tuple]:
+        k = self.kernel_inputs(ctx)
+        b, s = k.bs
+        mask = (k.labels_bs != self.ignore_index).float()
+        if ctx.loss_mask is not None:
+            mask = mask * ctx.loss_mask.float()
+        seq, num_sequences = sequence_index(b, s, ctx.packed_seq_params, mask.device)
+        token_weight = aggregation_weights(
+            mask.t().reshape(-1), self.aggregation, sequence_ids=seq.t().reshape(-1),
+            num_sequences=num_sequences, group=ctx.cp_group if ctx.cp_size > 1 else None,
+        )
+        inputs = {}
+        for name, t in self.policy_inputs(ctx).items():
+            if not isinstance(t, torch.Tensor) or t.shape != (b, s):
+                raise ValueError(
+                    f"output_processor_context[{name!r}]: expected a [b, s] = ({b}, {s}) tensor, "
+                    f"got {tuple(getattr(t, 'shape', ())) or type(t).__name__}"
+                )
+            inputs[name] = t.t().reshape(-1)  # s-major, like the kernel's tokens
+        r = linear_policy_loss(k.hidden, k.weight, k.labels, token_weight=token_weight,
+                               loss=self.loss, inputs=inputs, **k.kwargs)
+        loss = r.loss
+        if ctx.cp_size > 1:  # the whole sequences' value, this rank's gradient
+            loss = loss + (_cp_sum(loss.detach(), ctx.cp_group) - loss.detach())
+        logprobs, entropy = self.to_bs(r.logprob, k.bs), self.to_bs(r.entropy, k.bs)
+        return (loss, logprobs, entropy) if self.as_tuple else {
+            "loss": loss, "logprobs": logprobs, "entropy": entropy
+        }
 
 
 def _cp_sum(t: torch.Tensor, group: Any) -> torch.Tensor:

@@ -76,3 +76,16 @@ def per_token_temperature(
     if temperature.shape[0] != batch:
         raise ValueError(f"temperature: expected one per sample ({batch}), got {temperature.shape[0]}")
     return temperature.unsqueeze(0).expand(seq, batch).reshape(-1)
+
+
+def sequence_index(batch: int, seq: int, packed_seq_params: Any, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The sequence of each ``[b, s]`` position and how many sequences there are: the batch row,
+    or for packed THD input (``b == 1``) the packed sequence (trailing padding taking the last).
+    The count is a shape, never a device value read on the host."""
+    layout = _packed_layout(packed_seq_params, device)
+    if layout is not None and batch == 1:
+        offsets = layout[0]
+        pos = torch.arange(seq, device=device)
+        return _sequence_of(pos, offsets).unsqueeze(0), offsets.shape[0] - 1
+    rows = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq)
+    return rows, batch

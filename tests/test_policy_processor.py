@@ -1,0 +1,175 @@
+"""PolicyLossProcessor through real Megatron Core models, against the stock logits path followed
+by verl's loss, and under context parallelism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_hooks import PolicyLossProcessor, hooked_class
+from mcore_hooks.kernels import PolicyLoss
+from mcore_hooks.testing import (
+    TinyModelConfig,
+    available_model_classes,
+    build_tiny_model,
+    hook_keywords,
+    packed_sequence_slices,
+    run_on_ranks,
+    stock_model_class,
+    supports_packed_sequences,
+    tiny_batch,
+)
+from test_policy_loss import _verl_agg, _verl_terms
+
+pytestmark = pytest.mark.usefixtures("mp1")
+
+CFG = PolicyLoss(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
+
+
+def _inputs(shape, g, lp=None):
+    """Per-token inputs [b, s]: old log-probs near the current ones where those are known."""
+    base = lp.detach() if lp is not None else -torch.rand(shape, generator=g) * 5
+    return {
+        "old_logprobs": base + 0.3 * (torch.rand(shape, generator=g) - 0.5),
+        "advantages": torch.randn(shape, generator=g),
+        "ref_logprobs": base + 0.2 * torch.randn(shape, generator=g),
+    }
+
+
+def _stock_policy_loss(stock, batch, inputs, mode, temperature=1.0, sequences=None):
+    """The stock path: full logits from the stock model, log_softmax, verl's loss and
+    aggregation over sequences (rows, or the packed sequences' slices)."""
+    kwargs = {k: v for k, v in batch.items() if k not in ("labels", "loss_mask")}
+    logits = stock(**kwargs).float() / temperature  # [b, s, V]
+    logp = torch.log_softmax(logits, -1)
+    labels = batch["labels"]
+    valid = labels != -100
+    lp = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    terms = _verl_terms(lp, ent, inputs["old_logprobs"], inputs["advantages"], inputs["ref_logprobs"], CFG)
+    mask = valid.float() * batch.get("loss_mask", torch.ones_like(lp))
+    if sequences is None:
+        return _verl_agg(torch.where(mask > 0, terms, 0.0), mask, mode), lp
+    rows = [torch.where(mask[0, sl] > 0, terms[0, sl], 0.0) for sl in sequences]
+    width = max(sl.stop - sl.start for sl in sequences)
+    pad = lambda ts: torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[0])) for t in ts])
+    return _verl_agg(pad(rows), pad([mask[0, sl] for sl in sequences]), mode), lp
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_class", available_model_classes())
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_matches_the_stock_logits_path(model_class, mode):
+    cfg = TinyModelConfig(model_class=model_class, tied=False)
+    stock = build_tiny_model(cfg)
+    model = build_tiny_model(cfg, model_cls=hooked_class(stock_model_class(cfg.model_class)))
+    batch = tiny_batch(cfg)
+    with torch.no_grad():  # old log-probs near the current ones: ratios across the clip bounds
+        lp0 = _stock_policy_loss(stock, batch, _inputs(batch["labels"].shape, torch.Generator()), mode)[1]
+    inputs = _inputs(batch["labels"].shape, torch.Generator().manual_seed(3), lp0)
+    ref, lp = _stock_policy_loss(stock, batch, inputs, mode)
+    ref.backward()
+    out = model(**batch, output_processor=PolicyLossProcessor(loss=CFG, aggregation=mode),
+                output_processor_context=inputs)
+    out["loss"].backward()
+    torch.testing.assert_close(out["loss"], ref, rtol=1e-5, atol=1e-6)
+    valid = batch["labels"] != -100
+    torch.testing.assert_close(out["logprobs"], torch.where(valid, lp, 0.0).detach(), rtol=1e-5, atol=1e-6)
+    ours, theirs = _grads(model), _grads(stock)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        err = (ours[name] - theirs[name]).norm() / theirs[name].norm().clamp(min=1e-30)
+        assert err < 1e-5, (name, float(err))
+
+
+def test_packed_sequences_are_the_sequences():
+    cfg = TinyModelConfig(tied=False)
+    if not supports_packed_sequences(cfg.model_class):
+        pytest.skip("no packed sequences on this class")
+    stock = build_tiny_model(cfg)
+    model = build_tiny_model(cfg, model_cls=hooked_class(stock_model_class(cfg.model_class)))
+    batch = tiny_batch(cfg, packed=True)
+    seqs = packed_sequence_slices(batch)
+    temps = torch.tensor([0.7, 1.3, 1.0, 0.5][: len(seqs)])
+    per_token_t = torch.cat([temps[i].expand(sl.stop - sl.start) for i, sl in enumerate(seqs)])
+    inputs = _inputs(batch["labels"].shape, torch.Generator().manual_seed(5))
+    mode = "seq-mean-token-mean"
+    ref, _ = _stock_policy_loss(stock, batch, inputs, mode, per_token_t.view(1, -1, 1), seqs)
+    ref.backward()
+    out = model(**batch, output_processor=PolicyLossProcessor(loss=CFG, aggregation=mode, temperature=temps,
+                                                              as_tuple=True),
+                output_processor_context=inputs)
+    assert isinstance(out, tuple) and len(out) == 3
+    out[0].backward()
+    torch.testing.assert_close(out[0], ref, rtol=1e-5, atol=1e-6)
+    ours, theirs = _grads(model), _grads(stock)
+    for name in ours:
+        err = (ours[name] - theirs[name]).norm() / theirs[name].norm().clamp(min=1e-30)
+        assert err < 1e-5, (name, float(err))
+
+
+def _cp_check(mode: str):
+    """CP=2: each rank's value is the unsplit run's, its hidden-state gradient the unsplit
+    gradient's slice, and the weight gradients summed over the group the unsplit one."""
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_context_parallel_group()
+    rank = parallel_state.get_context_parallel_rank()
+    g = torch.Generator().manual_seed(9)
+    s, b, hidden_size, vocab = 8, 2, 16, 40
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(hidden_size, vocab, bias=False)
+    hidden = torch.randn(s, b, hidden_size, generator=g)
+    labels = torch.randint(0, vocab, (b, s), generator=g)
+    labels[0, 1] = -100
+    mask = (torch.rand(b, s, generator=g) > 0.3).float()
+    mask[:, : s // 2] = 0.0  # rank 0 counts far fewer tokens than rank 1
+    mask[1, 1] = 1.0
+    inputs = _inputs((b, s), g)
+
+    def run(h, part, cp_group):
+        h = h.clone().requires_grad_()
+        layer.zero_grad()
+        out = PolicyLossProcessor(loss=CFG, aggregation=mode)(**hook_keywords(
+            h, layer, labels=labels[:, part], loss_mask=mask[:, part], cp_group=cp_group,
+            context={k: v[:, part] for k, v in inputs.items()},
+        ))
+        out["loss"].backward()
+        return out["loss"].detach(), h.grad, layer.weight.grad.clone()
+
+    part = slice(rank * s // 2, (rank + 1) * s // 2)
+    local, dh, dw = run(hidden[part], part, group)
+    dist.all_reduce(dw, group=group)
+    full, dh_full, dw_full = run(hidden, slice(None), None)
+    return local, full, dh, dh_full[part], dw, dw_full
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_context_parallel_is_the_whole_sequences(mode):
+    for local, full, dh, dh_ref, dw, dw_ref in run_on_ranks(_cp_check, 2, mode, tp=1, cp=2):
+        tol = dict(rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(local, full, **tol)
+        torch.testing.assert_close(dh, dh_ref, **tol)
+        torch.testing.assert_close(dw, dw_ref, **tol)
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match="aggregation: expected one of"):
+        PolicyLossProcessor(aggregation="mean")
+    with pytest.raises(TypeError, match="loss: expected a PolicyLoss or a per-token function"):
+        PolicyLossProcessor(loss=0.2)
+    with pytest.raises(TypeError, match="takes keyword arguments only"):
+        PolicyLossProcessor(CFG)
+    layer = torch.nn.Linear(8, 20, bias=False)
+    h = torch.randn(4, 2, 8)
+    labels = torch.randint(0, 20, (2, 4))
+    with pytest.raises(ValueError, match="output_processor_context: expected a mapping"):
+        PolicyLossProcessor()(**hook_keywords(h, layer, labels=labels))
+    bad = {"old_logprobs": torch.zeros(2, 4), "advantages": torch.zeros(4, 2)}
+    with pytest.raises(ValueError, match=r"output_processor_context\['advantages'\]: expected a \[b, s\]"):
+        PolicyLossProcessor()(**hook_keywords(h, layer, labels=labels, context=bad))
