@@ -78,6 +78,93 @@ def hooks_ce(backend: str):
     return run
 
 
+# GRPO step over the LM head: clipped ratio (clip-higher), token mean, optionally an entropy
+# bonus. Old log-probs sit near the current ones (ratios across the clip bounds), advantages are
+# one per sequence of GRPO_SEQ tokens.
+GRPO_SEQ = 1024
+GRPO_ENTROPY_COEF = 0.001
+_grpo_cache: dict = {}
+
+
+def grpo_inputs(x, w, y):
+    key = (x.data_ptr(), w.data_ptr(), y.data_ptr())
+    if key not in _grpo_cache:
+        from mcore_hooks.kernels import linear_logprob_entropy
+
+        _grpo_cache.clear()
+        g = torch.Generator(device="cuda").manual_seed(1)
+        with torch.no_grad():
+            lp = linear_logprob_entropy(x, w, y).logprob
+        n = y.shape[0]
+        old = lp + 0.3 * (torch.rand(n, device="cuda", generator=g) - 0.5)
+        adv = torch.randn(n // GRPO_SEQ, device="cuda", generator=g).repeat_interleave(GRPO_SEQ)
+        _grpo_cache[key] = (old, adv)
+    return _grpo_cache[key]
+
+
+def _grpo_cfg(entropy: bool):
+    from mcore_hooks.kernels import PolicyLoss
+
+    return PolicyLoss(clip_low=0.2, clip_high=0.28, entropy_coef=GRPO_ENTROPY_COEF if entropy else 0.0)
+
+
+def stock_grpo(entropy: bool):
+    cfg = _grpo_cfg(entropy)
+
+    def run(x, w, y):  # what RL frameworks do today: logits, fp32 log_softmax, the loss
+        old, adv = grpo_inputs(x, w, y)
+        logits = (x @ w.t()).float()
+        logp = torch.log_softmax(logits, dim=-1)
+        lp = logp.gather(1, y[:, None]).squeeze(1)
+        ent = -(logp.exp() * logp).sum(-1) if entropy else None
+        return cfg(lp, ent, old_logprobs=old, advantages=adv).mean()
+
+    return run
+
+
+def hooks_grpo_two_pass(entropy: bool):
+    from mcore_hooks.kernels import linear_logprob_entropy
+
+    cfg = _grpo_cfg(entropy)
+
+    def run(x, w, y):  # the log-prob/entropy pass, the loss in torch, logits recomputed
+        old, adv = grpo_inputs(x, w, y)
+        r = linear_logprob_entropy(x, w, y, backend="triton")
+        return cfg(r.logprob, r.entropy, old_logprobs=old, advantages=adv).mean()
+
+    return run
+
+
+def hooks_grpo_fused(entropy: bool):
+    from mcore_hooks.kernels import linear_policy_loss
+
+    cfg = _grpo_cfg(entropy)
+
+    def run(x, w, y):  # gradients formed in the forward
+        old, adv = grpo_inputs(x, w, y)
+        tw = torch.full_like(old, 1.0 / old.shape[0])
+        return linear_policy_loss(x, w, y, token_weight=tw, loss=cfg, backend="triton",
+                                  inputs={"old_logprobs": old, "advantages": adv}).loss
+
+    return run
+
+
+def liger_grpo():
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    loss = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, epsilon_low=0.2,
+                                    epsilon_high=0.28, loss_type="dapo")
+
+    def run(x, w, y):
+        old, adv = grpo_inputs(x, w, y)
+        b = y.shape[0] // GRPO_SEQ
+        out = loss(x.view(b, GRPO_SEQ, -1), w, y.view(b, GRPO_SEQ), torch.ones_like(y).view(b, GRPO_SEQ),
+                   adv.view(b, GRPO_SEQ)[:, 0], old_per_token_logps=old.view(b, GRPO_SEQ))
+        return out[0] if isinstance(out, tuple) else out
+
+    return run
+
+
 def liger():
     from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
@@ -93,6 +180,13 @@ METHODS: list[tuple[str, str, Callable]] = [
     ("mcore-hooks triton, logprob+entropy", "lp+ent", lambda: hooks("triton")),
     ("mcore-hooks triton, linear-CE (sum)", "loss", lambda: hooks_ce("triton")),
     ("Liger fused linear CE", "loss", liger),
+    ("stock GRPO: logits -> fp32 log_softmax -> clipped loss", "grpo", lambda: stock_grpo(False)),
+    ("mcore-hooks two-pass GRPO (logprob, loss in torch)", "grpo", lambda: hooks_grpo_two_pass(False)),
+    ("mcore-hooks fused GRPO (linear_policy_loss)", "grpo", lambda: hooks_grpo_fused(False)),
+    ("Liger fused linear GRPO", "grpo", liger_grpo),
+    ("stock GRPO + entropy bonus", "grpo+ent", lambda: stock_grpo(True)),
+    ("mcore-hooks two-pass GRPO + entropy bonus", "grpo+ent", lambda: hooks_grpo_two_pass(True)),
+    ("mcore-hooks fused GRPO + entropy bonus", "grpo+ent", lambda: hooks_grpo_fused(True)),
 ]
 
 
@@ -164,6 +258,18 @@ def accuracy(vocab_sizes, n=2048, h=4096) -> list[dict]:
                     r = linear_logprob_entropy(x, w, y, backend=backend)
                     row[f"{name} logprob"] = err(r.logprob, lp_ref)
                     row[f"{name} entropy"] = err(r.entropy, ent_ref)
+            # the fused policy loss forms its statistics from fp32 logits chunks (cuBLAS), not the
+            # forward kernel: its log-probs and entropies, with gradients formed, against float64
+            from mcore_hooks.kernels import PolicyLoss, linear_policy_loss
+
+            xg = x.detach().clone().requires_grad_()
+            r = linear_policy_loss(xg, w, y, token_weight=torch.full((n,), 1.0 / n, device="cuda"),
+                                   loss=PolicyLoss(entropy_coef=0.01), backend="triton",
+                                   inputs={"old_logprobs": lp_ref.float(), "advantages": torch.ones(n, device="cuda")})
+            row["mcore-hooks fused policy logprob"] = err(r.logprob, lp_ref)
+            row["mcore-hooks fused policy entropy"] = err(r.entropy, ent_ref)
+            del xg, r
+            with torch.no_grad():
                 slp = torch.log_softmax((x @ w.t()).float(), -1)
                 row["stock logprob"] = err(slp.gather(1, y[:, None]).squeeze(1), lp_ref)
                 row["stock entropy"] = err(-(slp.exp() * slp).sum(-1), ent_ref)
@@ -248,6 +354,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="first shape only, shorter timing")
     ap.add_argument("--methods", default=None, help="comma-separated substrings to select methods")
     ap.add_argument("--rep-ms", type=int, default=None, help="timing budget per measurement (ms)")
+    ap.add_argument("--shapes", type=int, default=None, help="the first N shapes only")
+    ap.add_argument("--grpo-all-shapes", action="store_true", help="GRPO methods at every shape (default: the first)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rep_ms = args.rep_ms or (300 if args.quick else 600)
@@ -278,7 +386,7 @@ def main() -> int:
     meta["bf16_matmul_TFs"] = round(matmul_ceiling(), 1)
     print(json.dumps(meta), flush=True)
 
-    shapes = SHAPES[:1] if args.quick else SHAPES
+    shapes = SHAPES[:1] if args.quick else SHAPES[: args.shapes] if args.shapes else SHAPES
     methods = [m for m in METHODS if not args.methods or any(s in m[0] for s in args.methods.split(","))]
     results = []
     for n, h, v in shapes:
@@ -287,6 +395,8 @@ def main() -> int:
         w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).bfloat16().requires_grad_()
         y = torch.randint(0, v, (n,), device="cuda", generator=g)
         for name, kind, make in methods:
+            if kind.startswith("grpo") and [n, h, v] != list(shapes[0]) and not args.grpo_all_shapes:
+                continue
             row = dict(shape=[n, h, v], method=name, kind=kind)
             try:
                 fn = make()

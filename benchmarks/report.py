@@ -11,6 +11,11 @@ TRITON_CE = "mcore-hooks triton, linear-CE (sum)"
 STOCK_RL = "stock RL: logits -> fp32 log_softmax -> logprob+entropy"
 STOCK_FUSED = "stock loss, cross_entropy_loss_fusion"
 LIGER = "Liger fused linear CE"
+STOCK_GRPO = "stock GRPO: logits -> fp32 log_softmax -> clipped loss"
+FUSED_GRPO = "mcore-hooks fused GRPO (linear_policy_loss)"
+LIGER_GRPO = "Liger fused linear GRPO"
+STOCK_GRPO_ENT = "stock GRPO + entropy bonus"
+FUSED_GRPO_ENT = "mcore-hooks fused GRPO + entropy bonus"
 
 
 def _get(blob, shape, method, key, field="ms") -> Optional[float]:
@@ -50,11 +55,29 @@ def goals(blob) -> list[tuple[str, str, str, bool]]:
     if blob.get("tp2"):
         add("TP=2 per-rank fwd / TP=1 fwd", ratio(blob["tp2"]["fwd"], t_f), "<= 0.55", lambda r: r <= 0.55)
         add("TP=2 per-rank fwd+bwd / TP=1 fwd+bwd", ratio(blob["tp2"]["fwd+bwd"], t_fb), "<= 0.55", lambda r: r <= 0.55)
+    # the fused policy loss and the kernels' efficiency (the policy-loss issue's goals)
+    g = _get(blob, shape, FUSED_GRPO, "fwd+bwd")
+    add("GRPO fwd+bwd / stock GRPO", ratio(g, _get(blob, shape, STOCK_GRPO, "fwd+bwd")), "<= 0.90", lambda r: r <= 0.9)
+    add("GRPO fwd+bwd peak extra memory (MiB)", _get(blob, shape, FUSED_GRPO, "fwd+bwd", "peak_extra_mib"), "<= 2048", lambda r: r <= 2048, "{:.0f}")
+    add("GRPO + entropy bonus fwd+bwd / stock", ratio(_get(blob, shape, FUSED_GRPO_ENT, "fwd+bwd"), _get(blob, shape, STOCK_GRPO_ENT, "fwd+bwd")), "<= 0.62", lambda r: r <= 0.62)
+    add("Liger GRPO fwd+bwd / fused GRPO", ratio(_get(blob, shape, LIGER_GRPO, "fwd+bwd"), g), ">= 8", lambda r: r >= 8, "{:.1f}")
+    shapes = []
+    for r in blob["results"]:
+        if r["shape"] not in shapes:
+            shapes.append(r["shape"])
+    for sh in shapes[:2]:
+        tag = "x".join(map(str, sh))
+        add(f"linear-CE fwd+bwd / Liger FLCE at {tag}", ratio(_get(blob, sh, TRITON_CE, "fwd+bwd"), _get(blob, sh, LIGER, "fwd+bwd")), "<= 0.95", lambda r: r <= 0.95)
+        liger_mib = _get(blob, sh, LIGER, "fwd+bwd", "peak_extra_mib")
+        add(f"linear-CE fwd+bwd peak extra MiB at {tag} (Liger: {liger_mib})", _get(blob, sh, TRITON_CE, "fwd+bwd", "peak_extra_mib"), "<= Liger's", lambda r, l=liger_mib: l is not None and r <= l, "{:.0f}")
+    add("logprob+entropy forward fraction of ceiling (2NHV)", None if t_f is None else 2 * n * h * v / t_f / 1e9 / ceiling, ">= 0.88", lambda r: r >= 0.88)
+    add("two-pass fwd+bwd fraction of ceiling (8NHV)", None if t_fb is None else 8 * n * h * v / t_fb / 1e9 / ceiling, ">= 0.85", lambda r: r >= 0.85)
     ordinary = [r for r in blob.get("accuracy", []) if r["case"] == "ordinary"]
     hard = [r for r in blob.get("accuracy", []) if r["case"] != "ordinary"]
     for label, rows, target in (("ordinary", ordinary, 2e-6), ("hard", hard, 1e-4)):
         if rows:
-            worst = max(max(r[f"mcore-hooks triton {k}"] for k in ("logprob", "entropy")) for r in rows)
+            keys = [f"mcore-hooks {m} {k}" for m in ("triton", "fused policy") for k in ("logprob", "entropy")]
+            worst = max(r[k] for r in rows for k in keys if isinstance(r.get(k), float))
             add(f"accuracy vs float64, {label} logits (max rel)", worst, f"<= {target:g}", lambda r, t=target: r <= t, "{:.2e}")
     return out
 
@@ -124,12 +147,14 @@ def plot(blob, path: str) -> None:
     shape = blob["results"][0]["shape"]
     rows = [r for r in blob["results"] if r["shape"] == shape]
     names = [r["method"] for r in rows]
-    fig, axes = plt.subplots(2, 2, figsize=(14, 8))
+    fig, axes = plt.subplots(2, 2, figsize=(15, 11))
     for col, key in enumerate(("fwd", "fwd+bwd")):
         for row, (field, label) in enumerate((("ms", "median time (ms)"), ("peak_extra_mib", "peak extra memory (MiB)"))):
             ax = axes[row][col]
             vals = [r.get(key, {}).get(field, 0) or 0 for r in rows]
-            ax.barh(range(len(names)), vals, color=["#888"] * 3 + ["#2a7", "#2a7", "#2a7"] + ["#c63"])
+            colors = ["#2a7" if n.startswith("mcore-hooks") else "#c63" if n.startswith("Liger") else "#888"
+                      for n in names]
+            ax.barh(range(len(names)), vals, color=colors)
             ax.set_yticks(range(len(names)))
             ax.set_yticklabels(names if col == 0 else [""] * len(names), fontsize=8)
             ax.set_xlabel(label)
