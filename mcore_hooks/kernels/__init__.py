@@ -1,10 +1,11 @@
 """The math behind the processors, on plain tensors and process groups (no models).
 
-Two entry points over ``softmax(scale * hidden @ weight.T / temperature)``, with a vocabulary that
+Three entry points over ``softmax(scale * hidden @ weight.T / temperature)``, with a vocabulary that
 may be split across the tensor-parallel group, never materialising ``[tokens, vocab]`` logits:
-:func:`linear_logprob_entropy` (per-token log-probability of the labels and entropy) and
-:func:`linear_cross_entropy` (the cross-entropy reduced to one weighted sum, whose gradients are
-formed during the forward). They check their inputs and dispatch to a backend: ``torch`` (chunked, CPU and GPU, any dtype) or ``triton`` (logits fused
+:func:`linear_logprob_entropy` (per-token log-probability of the labels and entropy),
+:func:`linear_cross_entropy` (the cross-entropy reduced to one weighted sum) and
+:func:`linear_policy_loss` (a policy loss, a weighted sum of per-token terms); the last two form
+their gradients during the forward. They check their inputs and dispatch to a backend: ``torch`` (chunked, CPU and GPU, any dtype) or ``triton`` (logits fused
 into the matmul, CUDA, bf16/fp16); ``auto`` takes Triton where it can run, else torch. Both keep
 logits in fp32 and satisfy the same tests (values to fp32 rounding; gradients to the input dtype's).
 """
