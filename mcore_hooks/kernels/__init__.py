@@ -15,14 +15,14 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Any, Mapping, NamedTuple, Optional, Union
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 
 from ..compat import group_rank_size
 from ..debug import check_values
 from .autograd import Backend, LinearFusedLoss, LinearLogSoftmaxStats, TokenGrads, TokenLoss
-from .losses import PolicyLoss, PolicyLossResult, WeightedNLL, aggregation_weights, per_token_loss
+from .losses import PerTokenLoss, PolicyLoss, PolicyLossResult, WeightedNLL, aggregation_weights, per_token_loss
 from .options import KernelParams, VocabParallel
 from .torch_chunked import TorchChunked
 
@@ -171,7 +171,7 @@ def linear_policy_loss(
     labels: torch.Tensor,
     *,
     token_weight: torch.Tensor,
-    loss: Union[TokenLoss, "PolicyLoss", None] = None,
+    loss: Union[PolicyLoss, PerTokenLoss, Callable[..., torch.Tensor], None] = None,
     inputs: Optional[Mapping[str, torch.Tensor]] = None,
     temperature: Union[float, torch.Tensor] = 1.0,
     logit_scale: float = 1.0,
