@@ -149,6 +149,40 @@ def hooks_grpo_fused(entropy: bool):
     return run
 
 
+_main_grad: dict = {}
+
+
+def main_grad_of(w):
+    """A float32 main_grad for ``w`` (made once, so it counts as existing memory, as Megatron's
+    gradient buffer does)."""
+    key = (w.data_ptr(), tuple(w.shape))
+    if key not in _main_grad:
+        _main_grad.clear()
+        _main_grad[key] = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    return _main_grad[key]
+
+
+def hooks_grpo_main_grad():
+    from mcore_hooks.kernels import linear_policy_loss
+
+    cfg = _grpo_cfg(False)
+
+    def run(x, w, y):  # dW added into main_grad in the backward (8NHV), no [V, H] buffer
+        old, adv = grpo_inputs(x, w, y)
+        tw = torch.full_like(old, 1.0 / old.shape[0])
+        return linear_policy_loss(x, w, y, token_weight=tw, loss=cfg, backend="triton",
+                                  inputs={"old_logprobs": old, "advantages": adv},
+                                  weight_grad_accumulator=main_grad_of(w)).loss
+
+    return run
+
+
+def hooks_ce_main_grad(x, w, y):
+    from mcore_hooks.kernels import linear_cross_entropy
+
+    return linear_cross_entropy(x, w, y, backend="triton", weight_grad_accumulator=main_grad_of(w))
+
+
 def liger_grpo():
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -180,9 +214,11 @@ METHODS: list[tuple[str, str, Callable]] = [
     ("mcore-hooks triton, logprob+entropy", "lp+ent", lambda: hooks("triton")),
     ("mcore-hooks triton, linear-CE (sum)", "loss", lambda: hooks_ce("triton")),
     ("Liger fused linear CE", "loss", liger),
+    ("mcore-hooks triton, linear-CE (sum), dW into main_grad", "loss", lambda: hooks_ce_main_grad),
     ("stock GRPO: logits -> fp32 log_softmax -> clipped loss", "grpo", lambda: stock_grpo(False)),
     ("mcore-hooks two-pass GRPO (logprob, loss in torch)", "grpo", lambda: hooks_grpo_two_pass(False)),
     ("mcore-hooks fused GRPO (linear_policy_loss)", "grpo", lambda: hooks_grpo_fused(False)),
+    ("mcore-hooks GRPO, dW into main_grad", "grpo", hooks_grpo_main_grad),
     ("Liger fused linear GRPO", "grpo", liger_grpo),
     ("stock GRPO + entropy bonus", "grpo+ent", lambda: stock_grpo(True)),
     ("mcore-hooks two-pass GRPO + entropy bonus", "grpo+ent", lambda: hooks_grpo_two_pass(True)),

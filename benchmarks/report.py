@@ -11,6 +11,7 @@ TRITON_CE = "mcore-hooks triton, linear-CE (sum)"
 STOCK_RL = "stock RL: logits -> fp32 log_softmax -> logprob+entropy"
 STOCK_FUSED = "stock loss, cross_entropy_loss_fusion"
 LIGER = "Liger fused linear CE"
+CE_MAIN_GRAD = "mcore-hooks triton, linear-CE (sum), dW into main_grad"
 STOCK_GRPO = "stock GRPO: logits -> fp32 log_softmax -> clipped loss"
 FUSED_GRPO = "mcore-hooks fused GRPO (linear_policy_loss)"
 LIGER_GRPO = "Liger fused linear GRPO"
@@ -69,6 +70,10 @@ def goals(blob) -> list[tuple[str, str, str, bool]]:
         tag = "x".join(map(str, sh))
         add(f"linear-CE fwd+bwd / Liger FLCE at {tag}", ratio(_get(blob, sh, TRITON_CE, "fwd+bwd"), _get(blob, sh, LIGER, "fwd+bwd")), "<= 0.95", lambda r: r <= 0.95)
         liger_mib = _get(blob, sh, LIGER, "fwd+bwd", "peak_extra_mib")
+        dx_mib = sh[0] * sh[1] * 2 / 2**20
+        add(f"linear-CE into main_grad: peak extra MiB at {tag} (dX = {dx_mib:.0f})",
+            _get(blob, sh, CE_MAIN_GRAD, "fwd+bwd", "peak_extra_mib"), f"<= {dx_mib + 256:.0f}",
+            lambda r, d=dx_mib: r <= d + 256, "{:.0f}")
         add(f"linear-CE fwd+bwd peak extra MiB at {tag} (Liger: {liger_mib})", _get(blob, sh, TRITON_CE, "fwd+bwd", "peak_extra_mib"), "<= Liger's", lambda r, l=liger_mib: l is not None and r <= l, "{:.0f}")
     add("logprob+entropy forward fraction of ceiling (2NHV)", None if t_f is None else 2 * n * h * v / t_f / 1e9 / ceiling, ">= 0.88", lambda r: r >= 0.88)
     add("two-pass fwd+bwd fraction of ceiling (8NHV)", None if t_fb is None else 8 * n * h * v / t_fb / 1e9 / ceiling, ">= 0.85", lambda r: r >= 0.85)

@@ -251,6 +251,50 @@ def output_layer_inputs(
 # --------------------------------------------------------------------------- logit scaling
 
 
+def main_grad_accumulator(weight: torch.Tensor, config: Any) -> Optional[torch.Tensor]:
+    """Megatron's float32 ``main_grad`` of the output weight, where the weight's gradient is to go
+    straight into it: the config asks for ``gradient_accumulation_fusion`` (Megatron's own linear
+    layers then add their weight gradient there), the weight has a float32 ``main_grad`` and
+    needs a gradient. None otherwise, and under Megatron-FSDP (whose ``main_grad`` buffers are
+    made on demand): the gradient then goes to ``.grad`` and DDP adds it, as for any layer."""
+    if not (getattr(config, "gradient_accumulation_fusion", False) and torch.is_grad_enabled()):
+        return None
+    main_grad = getattr(weight, "main_grad", None)
+    if (not weight.requires_grad or hasattr(weight, "__fsdp_param__")
+            or not isinstance(main_grad, torch.Tensor) or main_grad.dtype != torch.float32):
+        return None
+    return main_grad
+
+
+class _MainGradHandoff(torch.autograd.Function):
+    """Megatron's protocol for a weight gradient added straight into ``main_grad``, as its
+    ``LinearWithGradAccumulationAndAsyncCommunication`` follows it: once the kernel's backward
+    has accumulated (it feeds this node), mark ``grad_added_to_main_grad`` and hand autograd a
+    placeholder, zeros where ``zero_out_wgrad`` (a weight tied to the embedding on this stage,
+    whose real gradient is added to the same ``.grad``), so DDP's hook runs and adds nothing
+    twice. Without DDP's attribute: no gradient, as Megatron's layers return none."""
+
+    @staticmethod
+    def forward(ctx, weight):
+        ctx.weight = weight
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, _placeholder):
+        weight = ctx.weight
+        if not hasattr(weight, "grad_added_to_main_grad"):
+            return None
+        weight.grad_added_to_main_grad = True
+        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+        return make(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+def hand_off_main_grad(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` for a kernel that adds its gradient into ``main_grad`` (and returns a
+    placeholder): the placeholder reaches the parameter as Megatron's layers hand it over."""
+    return _MainGradHandoff.apply(weight)
+
+
 @functools.lru_cache(maxsize=None)
 def _stock_scale_logits() -> Optional[Callable[..., Any]]:
     try:

@@ -271,3 +271,112 @@ def test_megatron_fsdp_unshards_the_output_weight(backport):
         pytest.skip("this Megatron Core release ships no Megatron-FSDP")
     for errors in _run_param_gather(backport, "fsdp"):
         assert max(errors) < 1e-5, errors
+
+
+# --------------------------------------------------------------------------- main_grad
+
+
+def _main_grad_worker(port: int, tied: bool, dtype_name: str, out) -> None:
+    """Megatron DDP (overlap_grad_reduce, fp32 grad buffers) on one GPU, two micro-batches of a
+    GRPO loss: the stock path (logits, log_softmax, the loss) against PolicyLossProcessor with
+    ``gradient_accumulation_fusion`` on (its output-weight gradient added into main_grad in the
+    backward, the weight marked as Megatron's layers mark it). Returns each parameter's
+    main_grad difference, relative, after both micro-batches and the gradient sync."""
+    try:
+        import torch.distributed as dist
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer import TransformerConfig
+
+        from mcore_hooks import PolicyLossProcessor, compat, enable_output_processor
+        from mcore_hooks.kernels import PolicyLoss
+
+        dtype = getattr(torch, dtype_name)
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=120))
+        parallel_state.initialize_model_parallel(1, 1)
+        cfg = PolicyLoss(clip_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
+
+        def build(fused):
+            tensor_parallel.model_parallel_cuda_manual_seed(123)
+            torch.manual_seed(123)
+            config = TransformerConfig(
+                num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0,
+                attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+            )
+            model = GPTModel(
+                config, get_gpt_layer_local_spec(), vocab_size=1000, max_sequence_length=64,
+                position_embedding_type="learned_absolute", share_embeddings_and_output_weights=tied,
+            ).cuda()
+            if dtype == torch.bfloat16:  # Megatron's bf16 wrapper: casts the inputs, floats the output
+                from megatron.core.transformer.module import Float16Module
+
+                model = Float16Module(config, model)
+            ddp = DistributedDataParallel(
+                config, DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True,
+                                                      bucket_size=20000), model)
+            # The layers read the flag when built (it needs apex's fused wgrad kernel for them);
+            # the processor reads it at the call.
+            config.gradient_accumulation_fusion = fused
+            return enable_output_processor(ddp)
+
+        g = torch.Generator(device="cuda").manual_seed(0)
+        b, s = 2, 32
+        batches = []
+        for _ in range(2):
+            ids = torch.randint(0, 1000, (b, s), device="cuda", generator=g)
+            labels = torch.randint(0, 1000, (b, s), device="cuda", generator=g)
+            inputs = {"old_logprobs": -torch.rand(b, s, device="cuda", generator=g) * 7,
+                      "advantages": torch.randn(b, s, device="cuda", generator=g),
+                      "ref_logprobs": -torch.rand(b, s, device="cuda", generator=g) * 7}
+            batches.append((ids, labels, inputs))
+        pos = torch.arange(s, device="cuda").expand(b, s)
+        mask = torch.ones(b, 1, s, s, dtype=torch.bool, device="cuda").triu(1)
+
+        def run(fused):
+            model = build(fused)
+            model.zero_grad_buffer()
+            for ids, labels, inputs in batches:
+                if fused:
+                    out = model(ids, pos, mask, labels=labels,
+                                output_processor=PolicyLossProcessor(loss=cfg), output_processor_context=inputs)
+                    loss = out["loss"]
+                else:
+                    logits = model(ids, pos, mask).float()
+                    logp = torch.log_softmax(logits, -1)
+                    lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+                    ent = -(logp.exp() * logp).sum(-1)
+                    loss = cfg(lp, ent, **inputs).mean()
+                (loss / len(batches)).backward()  # the schedule's 1 / num_microbatches
+            model.finish_grad_sync()
+            gpt = compat.unwrap_model(model)
+            weight = gpt.shared_embedding_or_output_weight() if tied else gpt.output_layer.weight
+            return {n: p.main_grad.clone() for n, p in gpt.named_parameters()}, weight.grad_added_to_main_grad
+
+        ref, _ = run(False)
+        got, flag = run(True)
+        errors = {n: ((got[n] - ref[n]).norm() / ref[n].norm().clamp(min=1e-30)).item() for n in ref}
+        out.put((errors, flag, None))
+    except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
+        out.put((None, None, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_gradient_accumulation_fusion_into_megatron_ddp(tied, dtype):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_main_grad_worker, args=(_free_port(), tied, dtype, out))
+    p.start()
+    errors, flag, tb = out.get(timeout=300)
+    p.join(timeout=60)
+    assert tb is None, tb
+    assert flag  # the output weight was marked as Megatron's own layers mark it
+    # fp32: float rounding of another summation order; bf16: the stock path's bf16 logits
+    tol = 1e-4 if dtype == "float32" else 5e-2
+    assert max(errors.values()) < tol, errors

@@ -427,3 +427,50 @@ def test_vocab_parallel_matches_unsplit():
     for rank_rows in run_on_ranks(_tp_all, 2, 2):
         for layout, errors in rank_rows:
             assert max(errors) < 1e-5, (layout, errors)
+
+
+# --------------------------------------------------------------------------- main_grad
+
+
+@pytest.mark.parametrize("entry", ["logprob", "cross_entropy", "policy"])
+def test_weight_gradient_into_an_fp32_accumulator(entry):
+    """With ``weight_grad_accumulator`` the weight's gradient (scaled by the upstream gradient)
+    is added into it and the weight gets none (or a zero placeholder); dX is unchanged."""
+    from mcore_hooks.kernels import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(6)
+    n, hidden, vocab = 30, 8, 53
+    x, w = torch.randn(n, hidden, generator=g), torch.randn(vocab, hidden, generator=g) / 3
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[4] = -100
+    inputs = {"old_logprobs": -torch.rand(n, generator=g) * 5, "advantages": torch.randn(n, generator=g)}
+    tw = torch.rand(n, generator=g)
+    cfg = PolicyLoss(entropy_coef=0.01)
+
+    def run(**kw):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if entry == "logprob":
+            r = linear_logprob_entropy(xr, wr, labels, temperature=0.9, chunk_size=7, **kw)
+            loss = (r.logprob * tw).sum() + r.entropy.sum()
+        elif entry == "cross_entropy":
+            loss = linear_cross_entropy(xr, wr, labels, token_weight=tw, chunk_size=7, **kw)
+        else:
+            loss = linear_policy_loss(xr, wr, labels, token_weight=tw, loss=cfg, inputs=inputs,
+                                      chunk_size=7, **kw).loss
+        (loss * -0.37).backward()
+        return loss.detach(), xr.grad, wr.grad
+
+    ref, rdx, rdw = run()
+    start = torch.randn(vocab, hidden, generator=g)
+    acc = start.clone()
+    loss, dx, dw = run(weight_grad_accumulator=acc)
+    assert dw is None
+    assert abs(float(loss) - float(ref)) <= 1e-6 * (1 + abs(float(ref)))
+    assert rel(dx, rdx) < 1e-6 and rel(acc - start, rdw) < 1e-6
+    acc2 = start.clone()
+    _, _, placeholder = run(weight_grad_accumulator=acc2, placeholder_weight_grad=True)
+    assert placeholder is not None and not placeholder.any() and torch.equal(acc2, acc)
+    with pytest.raises(ValueError, match="weight_grad_accumulator: expected a float32 tensor"):
+        run(weight_grad_accumulator=torch.zeros(vocab, hidden, dtype=torch.float64))
+    with pytest.raises(ValueError, match="weight_grad_accumulator: expected a float32 tensor"):
+        run(weight_grad_accumulator=torch.zeros(vocab + 1, hidden))

@@ -173,3 +173,78 @@ def test_errors_name_the_argument():
     bad = {"old_logprobs": torch.zeros(2, 4), "advantages": torch.zeros(4, 2)}
     with pytest.raises(ValueError, match=r"output_processor_context\['advantages'\]: expected a \[b, s\]"):
         PolicyLossProcessor()(**hook_keywords(h, layer, labels=labels, context=bad))
+
+
+def _ddp_like(weight, zero_out_wgrad):
+    """Megatron DDP's view of a parameter: main_grad, the flags, and its hook after the
+    gradient's accumulation (add .grad into main_grad unless already added there)."""
+    weight.main_grad = torch.zeros(weight.shape)
+    weight.grad_added_to_main_grad = False
+    weight.zero_out_wgrad = zero_out_wgrad
+
+    def hook(param):
+        if param.grad is not None and (not param.grad_added_to_main_grad or param.zero_out_wgrad):
+            param.main_grad.add_(param.grad)
+        param.grad = None
+
+    return weight.register_post_accumulate_grad_hook(hook)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("make", [
+    lambda: PolicyLossProcessor(loss=CFG),
+    lambda: LinearCEProcessorSum(),
+    lambda: LogprobEntropyProcessorSum(),
+], ids=["policy", "linear-ce-sum", "logprob-entropy"])
+def test_gradient_accumulation_fusion_adds_into_main_grad(tied, make):
+    """config.gradient_accumulation_fusion: the output weight's gradient goes into main_grad in
+    fp32 (two micro-batches accumulate), the weight is marked grad_added_to_main_grad, and DDP's
+    hook adds nothing twice; a tied weight's other gradient (the embedding's) still arrives."""
+    import types
+
+    g = torch.Generator().manual_seed(12)
+    s, b, h, v = 6, 2, 8, 40
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(h, v, bias=False)
+    ids = torch.randint(0, v, (b, s), generator=g)
+
+    def step(fused, seed):
+        gg = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(s, b, h, generator=gg, requires_grad=True)
+        labels = torch.randint(0, v, (b, s), generator=gg)
+        kw = hook_keywords(hidden, layer, labels=labels, context=_inputs((b, s), gg))
+        kw["config"] = types.SimpleNamespace(context_parallel_size=1, gradient_accumulation_fusion=fused)
+        out = make()(**kw)
+        loss = out["loss"] if isinstance(out, dict) else out
+        if tied:  # the embedding's use of the same weight
+            loss = loss + (layer.weight[ids] ** 2).sum() * 1e-3
+        (loss * 0.5).backward()  # as a schedule divides by the micro-batch count
+        return hidden.grad
+
+    results = {}
+    for fused in (False, True):
+        handle = _ddp_like(layer.weight, zero_out_wgrad=tied)
+        dh = [step(fused, seed) for seed in (1, 2)]
+        results[fused] = (layer.weight.main_grad.clone(), dh, layer.weight.grad_added_to_main_grad)
+        handle.remove()
+    (ref, ref_dh, ref_flag), (got, got_dh, flag) = results[False], results[True]
+    assert not ref_flag and flag
+    assert ((got - ref).norm() / ref.norm()) < 1e-6
+    for a, r in zip(got_dh, ref_dh):
+        assert ((a - r).norm() / r.norm()) < 1e-6
+    assert layer.weight.grad is None
+
+
+class LinearCEProcessorSum:
+    def __call__(self, **kw):
+        from mcore_hooks import LinearCEProcessor
+
+        return LinearCEProcessor(reduction="sum")(**kw)
+
+
+class LogprobEntropyProcessorSum:
+    def __call__(self, **kw):
+        from mcore_hooks import LogprobEntropyProcessor
+
+        out = LogprobEntropyProcessor()(**kw)
+        return out["logprobs"].sum() + 0.1 * out["entropy"].sum()

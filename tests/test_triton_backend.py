@@ -167,6 +167,36 @@ def test_triton_policy_loss_matches_torch_backend(shape, dtype, entropy_coef):
     assert rel(tri[1], ref[1]) < GRAD_TOL[dtype] / 4 and rel(tri[2], ref[2]) < GRAD_TOL[dtype] / 4
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "token-slices"])
+def test_triton_adds_the_weight_gradient_into_an_accumulator(dtype, sliced, monkeypatch):
+    """The backward's dW chunks added into a float32 accumulator (Megatron's main_grad) equal the
+    dW it returns otherwise, to the latter's rounding to the input dtype; also when the tokens
+    are taken in slices (128 rows here) to bound the backward's memory."""
+    n, h, v = (1024, 256, 5003) if ON_GPU else (300, 32, 200)
+    if sliced:
+        monkeypatch.setattr(triton_fused, "_MAIN_GRAD_BYTES", 128 * h * (2 + 4))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
+    labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+
+    def run(**kw):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        r = linear_logprob_entropy(xr, wr, labels, temperature=0.9, backend="triton", **kw)
+        (r.logprob.sum() * 0.5 + r.entropy.sum()).backward()
+        return xr.grad, wr.grad
+
+    dx, dw = run()
+    acc = torch.ones(v, h, device=DEVICE)
+    dx2, none = run(weight_grad_accumulator=acc)
+    assert none is None
+    # with an accumulator the vocab chunks are at most H wide (they stay inside dX's output) and
+    # the tokens may come in slices: dX is summed in another order, equal to its rounding
+    assert rel(dx2, dx) < GRAD_TOL[dtype] / 8
+    assert rel(acc - 1, dw) < GRAD_TOL[dtype] / 8
+
+
 def test_triton_is_deterministic():
     n, h, v = (2048, 256, 5003) if ON_GPU else (40, 32, 130)
     g = torch.Generator().manual_seed(0)

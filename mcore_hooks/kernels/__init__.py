@@ -21,7 +21,7 @@ import torch
 
 from ..compat import group_rank_size
 from ..debug import check_values
-from .autograd import Backend, LinearFusedLoss, LinearLogSoftmaxStats, TokenGrads, TokenLoss
+from .autograd import Backend, LinearFusedLoss, LinearLogSoftmaxStats, TokenLoss
 from .losses import PerTokenLoss, PolicyLoss, PolicyLossResult, WeightedNLL, aggregation_weights, per_token_loss
 from .options import KernelParams, VocabParallel
 from .torch_chunked import TorchChunked
@@ -29,7 +29,7 @@ from .torch_chunked import TorchChunked
 __all__ = [
     "VocabParallel", "LogprobEntropy", "linear_logprob_entropy", "linear_cross_entropy",
     "linear_policy_loss", "PolicyLoss", "PolicyLossResult", "aggregation_weights", "per_token_loss",
-    "TokenLoss", "TokenGrads", "BACKENDS", "backend_for", "default_chunk_size",
+    "TokenLoss", "BACKENDS", "backend_for", "default_chunk_size",
 ]
 
 BACKENDS = ("auto", "torch", "triton")
@@ -80,6 +80,8 @@ def linear_logprob_entropy(
     parallel: VocabParallel = VocabParallel(),
     chunk_size: Optional[int] = None,
     backend: str = "auto",
+    weight_grad_accumulator: Optional[torch.Tensor] = None,
+    placeholder_weight_grad: bool = False,
 ) -> LogprobEntropy:
     """Per-token log-prob of ``labels`` and entropy, float32 ``[N]``, differentiable.
 
@@ -97,6 +99,12 @@ def linear_logprob_entropy(
             gradient chunks itself (up to ``H`` vocab columns inside the dX output, else about
             128 MiB).
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`backend_for`).
+        weight_grad_accumulator: a float32 tensor shaped like ``weight`` (Megatron's
+            ``main_grad``) that the weight's gradient is added into, in float32, instead of
+            being returned (``weight`` then gets no gradient from this call).
+        placeholder_weight_grad: with an accumulator, give ``weight`` a zero-stride zero
+            gradient instead of none, so that hooks on its gradient (Megatron DDP's) still run,
+            as Megatron's own layers hand back a placeholder.
 
     Returns:
         :class:`LogprobEntropy`: float32 ``[N]`` log-probs (None without labels) and entropies,
@@ -109,7 +117,8 @@ def linear_logprob_entropy(
         TypeError: a dtype or device that does not fit, named.
     """
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
-                 chunk_size, backend)
+                 chunk_size, backend, accumulator=weight_grad_accumulator,
+                 dummy_weight_grad=placeholder_weight_grad)
     logprob, entropy, logz, best = LinearLogSoftmaxStats.apply(hidden, weight, p)
     if labels is None:
         return LogprobEntropy(None, entropy, logz)
@@ -128,6 +137,8 @@ def linear_cross_entropy(
     parallel: VocabParallel = VocabParallel(),
     chunk_size: Optional[int] = None,
     backend: str = "auto",
+    weight_grad_accumulator: Optional[torch.Tensor] = None,
+    placeholder_weight_grad: bool = False,
 ) -> torch.Tensor:
     """Reduced cross-entropy ``sum_i token_weight_i * -log p_i(labels_i)``, a float32 scalar.
 
@@ -149,6 +160,14 @@ def linear_cross_entropy(
         chunk_size: tokens per chunk (default: their logit gradient and half a chunk of fp32
             logits in about 2.5 GiB with the Triton backend, 256 MiB with torch).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        weight_grad_accumulator: a float32 tensor shaped like ``weight`` (Megatron's
+            ``main_grad``) that the weight's gradient is added into instead of being returned.
+            The upstream gradient is known only in the backward, so the gradients are then
+            formed there (the log-prob pass, logits recomputed: 8NHV rather than 6NHV), the
+            weight's in float32 straight into the accumulator: nothing of size
+            ``[V_local, H]`` is allocated.
+        placeholder_weight_grad: with an accumulator, give ``weight`` a zero-stride zero
+            gradient instead of none (see :func:`linear_logprob_entropy`).
 
     Returns:
         The float32 scalar loss.
@@ -160,7 +179,8 @@ def linear_cross_entropy(
     if labels is None:
         raise ValueError("labels: linear_cross_entropy needs labels")
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
-                 chunk_size, backend, fused=True)
+                 chunk_size, backend, fused=True, accumulator=weight_grad_accumulator,
+                 dummy_weight_grad=placeholder_weight_grad)
     tw = _token_vector("token_weight", token_weight, p.n, hidden.device, default=1.0)
     return _fused(hidden, weight, p, WeightedNLL(tw))[0]
 
@@ -179,6 +199,8 @@ def linear_policy_loss(
     parallel: VocabParallel = VocabParallel(),
     chunk_size: Optional[int] = None,
     backend: str = "auto",
+    weight_grad_accumulator: Optional[torch.Tensor] = None,
+    placeholder_weight_grad: bool = False,
 ) -> PolicyLossResult:
     """A policy loss ``sum_i token_weight_i * f(logprob_i, entropy_i, inputs_i)``, fused with the
     output layer, with its gradients formed in the forward.
@@ -210,6 +232,9 @@ def linear_policy_loss(
         parallel: the vocab-parallel layout (:class:`VocabParallel`).
         chunk_size: tokens per chunk (as :func:`linear_cross_entropy`).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        weight_grad_accumulator: as :func:`linear_cross_entropy`'s (gradients formed in the
+            backward, the weight's added into it in float32).
+        placeholder_weight_grad: as :func:`linear_logprob_entropy`'s.
 
     Returns:
         :class:`PolicyLossResult`: the float32 scalar loss, and detached float32 ``[N]``
@@ -223,7 +248,8 @@ def linear_policy_loss(
     if labels is None:
         raise ValueError("labels: linear_policy_loss needs the sampled tokens as labels")
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
-                 chunk_size, backend, fused=True)
+                 chunk_size, backend, fused=True, accumulator=weight_grad_accumulator,
+                 dummy_weight_grad=placeholder_weight_grad)
     tw = _token_vector("token_weight", token_weight, p.n, hidden.device)
     if check_values(tw) and not bool(torch.isfinite(tw).all()):
         raise ValueError("token_weight: every value must be finite")
@@ -235,17 +261,19 @@ def linear_policy_loss(
 
 
 def _fused(hidden, weight, p: KernelParams, token_loss: TokenLoss):
-    """(loss, logprob, entropy) of a :class:`TokenLoss`: gradients formed in the forward where
-    any is needed, else the 2NHV log-prob pass with the terms evaluated on its results."""
+    """(loss, logprob, entropy) of a :class:`TokenLoss`. Gradients formed in the forward where
+    any is needed; with a weight-gradient accumulator (the upstream gradient, which scales what
+    is added into it, is known only in the backward), the log-prob pass and the terms in torch,
+    the logits recomputed in the backward; without gradients, the log-prob pass alone."""
     need_x = hidden.requires_grad and torch.is_grad_enabled()
     need_w = weight.requires_grad and torch.is_grad_enabled()
-    if need_x or need_w:
+    if (need_x or need_w) and p.weight_grad_accumulator is None:
         return LinearFusedLoss.apply(hidden, weight, p, token_loss, need_x, need_w)
-    with torch.no_grad():
-        logprob, entropy, _, _ = LinearLogSoftmaxStats.apply(hidden, weight, p)
-        terms = token_loss(slice(0, p.n), logprob, entropy if token_loss.needs_entropy else None)
-        loss = torch.where(p.valid, terms.loss, 0.0).sum()
-    return loss, logprob, entropy if token_loss.needs_entropy else torch.zeros_like(entropy)
+    logprob, entropy, _, _ = LinearLogSoftmaxStats.apply(hidden, weight, p)
+    ent = entropy if token_loss.needs_entropy else None
+    loss = torch.where(p.valid, token_loss.terms(slice(0, p.n), logprob, ent), 0.0).sum()
+    zeros = torch.zeros_like(logprob)
+    return loss, logprob.detach(), entropy.detach() if token_loss.needs_entropy else zeros
 
 
 def _token_vector(name: str, t: Any, n: int, device: torch.device,
@@ -261,7 +289,8 @@ def _token_vector(name: str, t: Any, n: int, device: torch.device,
 
 
 def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel, chunk_size,
-             backend, fused: bool = False) -> KernelParams:
+             backend, fused: bool = False, accumulator: Optional[torch.Tensor] = None,
+             dummy_weight_grad: bool = False) -> KernelParams:
     """Check the arguments (errors name the argument) and put them in the kernels' form."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -323,8 +352,19 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
     coef = _coefficients(temperature, logit_scale, n, dev)
     if bad is not None:  # unchecked (CUDA, debug checks off): such a token gives NaN, not a number
         coef = torch.where(bad, torch.nan, coef)
+    if accumulator is not None and (
+        not isinstance(accumulator, torch.Tensor) or accumulator.dtype != torch.float32
+        or accumulator.shape != weight.shape or accumulator.device != weight.device
+    ):
+        raise ValueError(
+            f"weight_grad_accumulator: expected a float32 tensor of the weight's shape "
+            f"{tuple(weight.shape)} on {weight.device}, got "
+            f"{getattr(accumulator, 'dtype', type(accumulator).__name__)} "
+            f"{tuple(getattr(accumulator, 'shape', ()))}"
+        )
     group = parallel.group if tp > 1 else None
-    return KernelParams(gl, valid, coef, int(parallel.vocab_start), group, sp, chunk_size, backend_impl)
+    return KernelParams(gl, valid, coef, int(parallel.vocab_start), group, sp, chunk_size, backend_impl,
+                        accumulator, dummy_weight_grad)
 
 
 def _fused_chunk_size(backend: Backend, n: int, v_local: int, itemsize: int) -> int:

@@ -49,25 +49,34 @@ class LocalStats(NamedTuple):
     target: torch.Tensor
 
 
-class TokenGrads(NamedTuple):
-    """A :class:`TokenLoss`'s value on a chunk of tokens, float32 ``[c]`` each."""
-
-    loss: torch.Tensor
-    d_logprob: torch.Tensor
-    d_entropy: Optional[torch.Tensor]  # None: the loss does not depend on the entropy
-
-
 class TokenLoss(Protocol):
     """A loss ``sum_i f_i(logprob_i, entropy_i)``: each token's term depends only on its own
     log-prob and entropy (and on per-token data the loss holds), so its logit gradient can be
-    formed while the token's logits exist. Called on consecutive token chunks (``rows``), with
-    detached float32 values; returns each term and its derivatives."""
+    formed while the token's logits exist. ``terms`` is called on consecutive token chunks
+    (``rows``) with float32 values and returns each token's term, differentiable in them (its
+    derivatives are taken by autograd)."""
 
     needs_entropy: bool
 
-    def __call__(
+    def terms(
         self, rows: slice, logprob: torch.Tensor, entropy: Optional[torch.Tensor]
-    ) -> TokenGrads: ...
+    ) -> torch.Tensor: ...
+
+
+def term_grads(
+    token_loss: TokenLoss, rows: slice, logprob: torch.Tensor, entropy: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """A chunk's terms (detached) and their derivatives in the log-prob and the entropy (None
+    where the terms do not depend on the entropy)."""
+    with torch.enable_grad():
+        lp = logprob.detach().requires_grad_()
+        ent = entropy.detach().requires_grad_() if entropy is not None else None
+        t = token_loss.terms(rows, lp, ent)
+        wrt = [lp] if ent is None else [lp, ent]
+        grads = torch.autograd.grad(t.sum(), wrt, allow_unused=True) if t.requires_grad else [None] * len(wrt)
+    g_lp = grads[0] if grads[0] is not None else torch.zeros_like(logprob)
+    g_ent = grads[1] if ent is not None else None
+    return t.detach(), g_lp, g_ent
 
 
 class FusedLoss(NamedTuple):
@@ -106,7 +115,9 @@ class Backend:
         self, x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor,
         m: torch.Tensor, log_s: torch.Tensor, entropy: torch.Tensor, g_logprob: torch.Tensor,
         g_entropy: torch.Tensor, chunk_size: int, need_x: bool, need_w: bool,
+        dw_accumulator: Optional[torch.Tensor] = None,
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """dX, and dW (or None with ``dw_accumulator``, a float32 tensor dW is added into)."""
         raise NotImplementedError
 
     def row_stats(
@@ -155,19 +166,15 @@ class Backend:
                 st = combine(self.row_stats(zc, coef, label, with_entropy), p.group)
                 lp = torch.where(valid, st.logprob(), 0.0)
                 ent = torch.where(valid, st.entropy, 0.0) if with_entropy else None
-                terms = token_loss(rows, lp, ent)
-                if terms.d_entropy is not None and not with_entropy:
-                    raise ValueError(
-                        "token_loss: returned an entropy gradient but has needs_entropy=False"
-                    )
+                terms, d_lp, d_ent = term_grads(token_loss, rows, lp, ent)
                 # ignored positions: no term, no gradient (where, not a product: NaN-proof)
-                loss[rows] = torch.where(valid, terms.loss, 0.0)
+                loss[rows] = torch.where(valid, terms, 0.0)
                 logprob[rows] = lp
                 if entropy is not None:
                     entropy[rows] = ent
                 if need_grad:
-                    g1 = torch.where(valid, terms.d_logprob, 0.0)
-                    g2 = None if terms.d_entropy is None else torch.where(valid, terms.d_entropy, 0.0)
+                    g1 = torch.where(valid, d_lp, 0.0)
+                    g2 = None if d_ent is None else torch.where(valid, d_ent, 0.0)
                     self.row_grad(zc, coef, label, st.max, st.log_s, g1, g2,
                                   st.entropy if g2 is not None else None,
                                   dz[s0 - start : s1 - start])
@@ -296,11 +303,15 @@ class LinearLogSoftmaxStats(torch.autograd.Function):
         g1 = torch.where(p.valid, d_logprob.float(), zero) if d_logprob is not None else zero
         g2 = torch.where(p.valid, d_entropy.float(), zero) if d_entropy is not None else zero
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = p.weight_grad_accumulator if need_w else None
         dx, dw = p.backend.grads(
-            x, weight, p.coef, local_label, m, log_s, entropy, g1, g2, p.chunk_size, need_x, need_w
+            x, weight, p.coef, local_label, m, log_s, entropy, g1, g2, p.chunk_size, need_x, need_w,
+            acc,
         )
         if dx is not None:
             dx = reduce_hidden_grad(dx, p.group, p.sequence_parallel).view(ctx.hidden_shape)
+        if acc is not None and p.dummy_weight_grad:
+            dw = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
         return dx, dw, None
 
 

@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from ..compat import group_rank_size
 from ..debug import check_values
-from .autograd import TokenGrads
 
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -48,9 +47,8 @@ class WeightedNLL:
     def __init__(self, token_weight: torch.Tensor) -> None:
         self.token_weight = token_weight
 
-    def __call__(self, rows: slice, logprob: torch.Tensor, entropy: Optional[torch.Tensor]) -> TokenGrads:
-        w = self.token_weight[rows]
-        return TokenGrads(-w * logprob, -w, None)
+    def terms(self, rows: slice, logprob: torch.Tensor, entropy: Optional[torch.Tensor]) -> torch.Tensor:
+        return -self.token_weight[rows] * logprob
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,22 +171,14 @@ class _BoundPerTokenLoss:
         self.loss, self.token_weight, self.inputs = loss, token_weight, inputs
         self.needs_entropy = loss.needs_entropy
 
-    def __call__(self, rows: slice, logprob: torch.Tensor, entropy: Optional[torch.Tensor]) -> TokenGrads:
-        with torch.enable_grad():
-            lp = logprob.detach().requires_grad_()
-            ent = entropy.detach().requires_grad_() if entropy is not None else None
-            f = self.loss.fn(lp, ent, **{k: v[rows] for k, v in self.inputs.items()})
-            if not isinstance(f, torch.Tensor) or f.shape != lp.shape:
-                raise ValueError(
-                    f"loss: the per-token function must return one value per token (shape "
-                    f"{tuple(lp.shape)}), got {tuple(getattr(f, 'shape', ())) or type(f).__name__}"
-                )
-            terms = f.float() * self.token_weight[rows]
-            wrt = [lp] if ent is None else [lp, ent]
-            grads = torch.autograd.grad(terms.sum(), wrt, allow_unused=True) if terms.requires_grad else (None, None)
-        g_lp = grads[0] if grads[0] is not None else torch.zeros_like(logprob)
-        g_ent = grads[1] if ent is not None else None
-        return TokenGrads(terms.detach(), g_lp, g_ent)
+    def terms(self, rows: slice, logprob: torch.Tensor, entropy: Optional[torch.Tensor]) -> torch.Tensor:
+        f = self.loss.fn(logprob, entropy, **{k: v[rows] for k, v in self.inputs.items()})
+        if not isinstance(f, torch.Tensor) or f.shape != logprob.shape:
+            raise ValueError(
+                f"loss: the per-token function must return one value per token (shape "
+                f"{tuple(logprob.shape)}), got {tuple(getattr(f, 'shape', ())) or type(f).__name__}"
+            )
+        return f.float() * self.token_weight[rows]
 
 
 def per_token_loss(

@@ -38,6 +38,10 @@ class KernelParams:
         sequence_parallel: ``hidden`` is this rank's token shard (gathered, gradient scattered).
         chunk_size: tokens per chunk of the backend's loops.
         backend: the backend that runs the loops (:class:`~mcore_hooks.kernels.autograd.Backend`).
+        weight_grad_accumulator: a float32 ``[V_local, H]`` tensor the weight's gradient is added
+            into (Megatron's ``main_grad``) instead of being returned; None: returned as usual.
+        dummy_weight_grad: with an accumulator, return a zero-stride zero tensor as the weight's
+            gradient (so the weight's gradient hooks still run) rather than None.
     """
 
     labels: Any
@@ -48,6 +52,8 @@ class KernelParams:
     sequence_parallel: bool
     chunk_size: int
     backend: Any
+    weight_grad_accumulator: Optional[Any] = None
+    dummy_weight_grad: bool = False
 
     @property
     def n(self) -> int:

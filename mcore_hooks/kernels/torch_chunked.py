@@ -42,10 +42,13 @@ class TorchChunked(Backend):
         return LocalStats(m, s, a, t)
 
     @staticmethod
-    def grads(x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w):
+    def grads(x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w,
+              dw_accumulator=None):
         n = x.shape[0]
         dx = torch.empty_like(x) if need_x else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
+        if need_w:
+            dw = dw_accumulator if dw_accumulator is not None else torch.zeros(
+                weight.shape, dtype=torch.float32, device=x.device)
         owned = local_label >= 0
         index = local_label.clamp(min=0).unsqueeze(1)
         g_target = torch.where(owned, g1, 0.0).unsqueeze(1)
@@ -66,7 +69,9 @@ class TorchChunked(Backend):
             if need_w:
                 addmm_f32_(dw, dz.t(), x[start:end])
             del dz
-        return dx, (dw.to(weight.dtype) if need_w else None)
+        if not need_w or dw_accumulator is not None:
+            return dx, None
+        return dx, dw.to(weight.dtype)
 
     @staticmethod
     def row_stats(z, coef, local_label, with_entropy) -> LocalStats:

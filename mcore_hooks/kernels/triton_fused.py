@@ -128,6 +128,10 @@ def device_tiles(device: torch.device) -> Optional[Tiles]:
 # (benchmarks/profile_kernels.py): Vc = 4096 lets cuBLAS accumulate dX at 91% of the matmul
 # ceiling, against 80% at 2048.
 _BWD_CHUNK_BYTES = 128 << 20
+# With the weight's gradient going into an fp32 accumulator (Megatron's main_grad), the backward
+# takes the tokens in slices whose fp32 dX accumulator and input-dtype output fit in this many
+# bytes, so it holds dX plus this much (each slice costs one more pass over the accumulator).
+_MAIN_GRAD_BYTES = 192 << 20
 # Elements per step of the cross-entropy row passes (8 warps, 16 fp32 per thread).
 _ROW_BLOCK = 4096
 # Fewest vocab splits of the forward grid: 4 measured fastest with TMA loads (32.9 ms, against
@@ -390,13 +394,27 @@ class TritonFused(Backend):
                                    weight.stride(0), BLOCK_H=1024, num_warps=4)
         return merge_partials(LocalStats(parts[0], parts[1], parts[2], target))
 
-    def grads(self, x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w):
+    def grads(self, x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w,
+              dw_accumulator=None):
         n, h = x.shape
+        rows = max(128, _MAIN_GRAD_BYTES // (h * (x.element_size() + 4)) // 128 * 128)
+        if dw_accumulator is not None and need_x and rows < n:
+            # dW goes into the fp32 accumulator (adding over token chunks is exact to fp32 there),
+            # so the rows can be split: each slice's fp32 dX accumulator and output are small,
+            # and the whole backward holds dX plus one slice's buffers.
+            dx = torch.empty((n, h), dtype=x.dtype, device=x.device)
+            for r0 in range(0, n, rows):
+                r = slice(r0, min(r0 + rows, n))
+                dx[r] = self.grads(x[r], weight, coef[r], local_label[r], m[r], log_s[r], entropy[r],
+                                   g1[r], g2[r], chunk_size, True, need_w, dw_accumulator)[0]
+            return dx, None
         v = weight.shape[0]
         tile = self.tiles.bwd
         bv = tile.block_v
         x, weight = x.contiguous(), weight.contiguous()
         vc = max(bv, (_BWD_CHUNK_BYTES // (max(n, 1) * x.element_size())) // bv * bv)
+        if dw_accumulator is not None and need_x and h >= bv:
+            vc = min(vc, h // bv * bv)  # bounded memory: the chunk stays inside dX's output
         in_dx = need_x and h // bv * bv >= vc
         if in_dx:  # the gradient chunk lives in dX's own (not yet written) output: no extra memory
             vc = h // bv * bv
@@ -407,7 +425,7 @@ class TritonFused(Backend):
         else:
             dz = torch.empty((n, vc), dtype=x.dtype, device=x.device)
         dx = torch.zeros((n, h), dtype=torch.float32, device=x.device) if need_x else None
-        dw = torch.empty_like(weight) if need_w else None
+        dw = torch.empty_like(weight) if need_w and dw_accumulator is None else None
         row_blocks = triton.cdiv(n, tile.block_n)
         xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
         for v0 in range(0, v, vc):
@@ -418,8 +436,10 @@ class TritonFused(Backend):
                 EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch(),
             )
             chunk = dz[:, :width]
-            if need_w:
-                torch.mm(chunk.t(), x, out=dw[v0 : v0 + width])
+            if dw is not None:
+                torch.mm(chunk.t(), x, out=dw[v0 : v0 + width])  # K = N: rounded once
+            elif need_w:  # Megatron's main_grad: fp32 accumulation, as its wgrad GEMM does
+                addmm_f32_(dw_accumulator[v0 : v0 + width], chunk.t(), x)
             if need_x:
                 addmm_f32_(dx, chunk, weight[v0 : v0 + width])
         return (dx_out.copy_(dx) if need_x else None), dw

@@ -5,6 +5,13 @@ Each adapts the hook's keywords to :func:`mcore_hooks.kernels.linear_logprob_ent
 context (TP group, this rank's vocab range, sequence parallelism), folds Megatron's MuP logit scale
 into the kernel, and returns float32 ``[b, s]`` like the stock loss. No ``[tokens, vocab]`` logits
 are made; the output layer's weight is read directly.
+
+Where the model's config asks for ``gradient_accumulation_fusion`` and the output weight has a
+float32 ``main_grad`` (Megatron DDP), the weight's gradient is added into ``main_grad`` in float32
+in the backward, and the weight is marked ``grad_added_to_main_grad`` with a placeholder gradient,
+as Megatron's own linear layers do; no ``[V, h]`` gradient is allocated. The losses whose
+gradients are otherwise formed in the forward then form them in the backward (the upstream
+gradient that scales them is known only there).
 """
 
 from __future__ import annotations
@@ -157,6 +164,10 @@ class _FusedProcessor(PostprocessProcessor):
             chunk_size=self.chunk_size,
             backend=self.backend,
         )
+        main_grad = compat.main_grad_accumulator(weight, ctx.config)
+        if main_grad is not None:  # gradient_accumulation_fusion: dW into main_grad, in fp32
+            weight = compat.hand_off_main_grad(weight)
+            kwargs.update(weight_grad_accumulator=main_grad, placeholder_weight_grad=True)
         return _KernelInputs(hidden.reshape(-1, h), weight, flat_labels, kwargs, (b, s), labels)
 
     def compute(
