@@ -123,11 +123,16 @@ def fused_mtp_loss(
         raise ValueError(
             f"labels: expected the MTP depth's labels of shape ({b}, {s}), got {tuple(depth.labels.shape)}"
         )
+    weight, extra = depth.weight, {}
+    main_grad = compat.main_grad_accumulator(weight, depth.config)
+    if main_grad is not None:  # as the main head's: DDP skips .grad once the weight is marked
+        weight = compat.hand_off_main_grad(weight)
+        extra = dict(weight_grad_accumulator=main_grad, placeholder_weight_grad=True)
     r = linear_logprob_entropy(
-        hidden.reshape(-1, h), depth.weight, depth.labels.t().reshape(-1),
+        hidden.reshape(-1, h), weight, depth.labels.t().reshape(-1),
         logit_scale=depth.logit_scale, ignore_index=ignore_index,
         parallel=VocabParallel(depth.tp_group, depth.vocab_start, depth.sequence_parallel),
-        chunk_size=chunk_size, backend=backend,
+        chunk_size=chunk_size, backend=backend, **extra,
     )
     return MTPLoss((-r.logprob).view(s, b).t(), r.label_is_argmax.view(s, b).t())
 

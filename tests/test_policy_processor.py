@@ -248,3 +248,30 @@ class LogprobEntropyProcessorSum:
 
         out = LogprobEntropyProcessor()(**kw)
         return out["logprobs"].sum() + 0.1 * out["entropy"].sum()
+
+
+def test_mtp_depths_add_into_main_grad_too():
+    """With the main head's gradient in main_grad (the weight marked), the MTP depths' fused
+    loss must put theirs there as well: DDP's hook skips .grad once the weight is marked."""
+    import types
+
+    from mcore_hooks.mtp import MTPDepth, fused_mtp_loss
+
+    g = torch.Generator().manual_seed(2)
+    s, b, h, v = 5, 2, 8, 30
+    layer = torch.nn.Linear(h, v, bias=False)
+    hidden = torch.randn(s, b, h, generator=g)
+    labels = torch.randint(0, v, (b, s), generator=g)
+
+    def depth(fused):
+        config = types.SimpleNamespace(gradient_accumulation_fusion=fused)
+        return MTPDepth(hidden, labels, layer.weight, layer, 1.0, 0, 1, config, None, 0, 1, 0, False)
+
+    fused_mtp_loss(depth(False)).loss.sum().backward()
+    ref = layer.weight.grad.clone()
+    layer.weight.grad = None
+    handle = _ddp_like(layer.weight, zero_out_wgrad=False)
+    fused_mtp_loss(depth(True)).loss.sum().backward()
+    handle.remove()
+    assert layer.weight.grad_added_to_main_grad
+    assert ((layer.weight.main_grad - ref).norm() / ref.norm()) < 1e-6
