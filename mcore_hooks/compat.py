@@ -289,10 +289,16 @@ class _MainGradHandoff(torch.autograd.Function):
         return make(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
-def hand_off_main_grad(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` for a kernel that adds its gradient into ``main_grad`` (and returns a
-    placeholder): the placeholder reaches the parameter as Megatron's layers hand it over."""
-    return _MainGradHandoff.apply(weight)
+def main_grad_route(weight: torch.Tensor, config: Any) -> tuple[torch.Tensor, dict]:
+    """``(weight, kernel keywords)``: where :func:`main_grad_accumulator` gives a buffer, the
+    weight through the hand-off (the kernel's placeholder reaches the parameter as Megatron's
+    layers hand theirs over) and the keywords that make a kernel add into the buffer; else the
+    weight and no keywords."""
+    main_grad = main_grad_accumulator(weight, config)
+    if main_grad is None:
+        return weight, {}
+    return _MainGradHandoff.apply(weight), dict(weight_grad_accumulator=main_grad,
+                                                placeholder_weight_grad=True)
 
 
 @functools.lru_cache(maxsize=None)

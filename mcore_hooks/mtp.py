@@ -123,11 +123,8 @@ def fused_mtp_loss(
         raise ValueError(
             f"labels: expected the MTP depth's labels of shape ({b}, {s}), got {tuple(depth.labels.shape)}"
         )
-    weight, extra = depth.weight, {}
-    main_grad = compat.main_grad_accumulator(weight, depth.config)
-    if main_grad is not None:  # as the main head's: DDP skips .grad once the weight is marked
-        weight = compat.hand_off_main_grad(weight)
-        extra = dict(weight_grad_accumulator=main_grad, placeholder_weight_grad=True)
+    # into main_grad as the main head's: DDP skips .grad once the weight is marked
+    weight, extra = compat.main_grad_route(depth.weight, depth.config)
     r = linear_logprob_entropy(
         hidden.reshape(-1, h), weight, depth.labels.t().reshape(-1),
         logit_scale=depth.logit_scale, ignore_index=ignore_index,

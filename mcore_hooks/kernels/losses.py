@@ -18,8 +18,8 @@ from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ..compat import group_rank_size
 from ..debug import check_values
+from .autograd import all_reduce
 
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -244,7 +244,7 @@ def aggregation_weights(
     if mode == "token-sum":
         return m
     if mode == "token-mean":
-        return m / _group_sum(m.sum(), group).clamp(min=1.0)
+        return m / group_sum(m.sum(), group).clamp(min=1.0)
     if not isinstance(num_sequences, int) or isinstance(num_sequences, bool) or num_sequences < 1:
         raise ValueError(f"num_sequences: expected a positive int for {mode!r}, got {num_sequences!r}")
     if (not isinstance(sequence_ids, torch.Tensor) or sequence_ids.shape != m.shape
@@ -258,7 +258,7 @@ def aggregation_weights(
     if check_values(ids) and bool(((ids < 0) | (ids >= num_sequences)).any()):
         raise ValueError(f"sequence_ids: values must lie in [0, {num_sequences})")
     counts = torch.zeros(num_sequences, dtype=torch.float32, device=m.device).index_add_(0, ids, m)
-    counts = _group_sum(counts, group)
+    counts = group_sum(counts, group)
     num = (counts != 0).sum().float().clamp(min=1.0)
     if mode == "seq-mean-token-sum":
         return m / num
@@ -266,8 +266,6 @@ def aggregation_weights(
     return torch.where(per_seq != 0, m / (per_seq * num), 0.0)
 
 
-def _group_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
-    t = t.detach().clone()
-    if group is not None and group_rank_size(group)[1] > 1:
-        dist.all_reduce(t, group=group)
-    return t
+def group_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """``t`` summed over ``group`` (a detached copy; ``t`` itself where there is no group)."""
+    return all_reduce(t.detach().clone(), dist.ReduceOp.SUM, group)

@@ -34,7 +34,7 @@ from ..kernels import (
     linear_policy_loss,
     per_token_loss,
 )
-from ..kernels.losses import AGGREGATIONS
+from ..kernels.losses import AGGREGATIONS, group_sum
 from ..mtp import MTPDepth, MTPLoss, fused_mtp_loss
 from ..postprocess import PostprocessContext, PostprocessProcessor
 from .labels import labels_from_input_ids, per_token_temperature, sequence_index
@@ -164,10 +164,8 @@ class _FusedProcessor(PostprocessProcessor):
             chunk_size=self.chunk_size,
             backend=self.backend,
         )
-        main_grad = compat.main_grad_accumulator(weight, ctx.config)
-        if main_grad is not None:  # gradient_accumulation_fusion: dW into main_grad, in fp32
-            weight = compat.hand_off_main_grad(weight)
-            kwargs.update(weight_grad_accumulator=main_grad, placeholder_weight_grad=True)
+        weight, main_grad = compat.main_grad_route(weight, ctx.config)  # gradient_accumulation_fusion
+        kwargs.update(main_grad)
         return _KernelInputs(hidden.reshape(-1, h), weight, flat_labels, kwargs, (b, s), labels)
 
     def compute(
@@ -178,6 +176,14 @@ class _FusedProcessor(PostprocessProcessor):
         k = self.kernel_inputs(ctx, with_labels=with_labels)
         result = linear_logprob_entropy(k.hidden, k.weight, k.labels, **k.kwargs)
         return result, k.bs, k.labels_bs
+
+    def counted(self, ctx: PostprocessContext, k: "_KernelInputs") -> torch.Tensor:
+        """Float32 per-token weights of the positions that count (s-major, like the kernel's
+        tokens): the label is not ``ignore_index``, times ``loss_mask`` when the model got one."""
+        mask = (k.labels_bs != self.ignore_index).float()
+        if ctx.loss_mask is not None:
+            mask = mask * ctx.loss_mask.float()
+        return mask.t().reshape(-1)
 
     @staticmethod
     def to_bs(t: torch.Tensor, bs: tuple[int, int]) -> torch.Tensor:
@@ -341,16 +347,10 @@ class LinearCEProcessor(_FusedProcessor):
             r, bs, _ = self.compute(ctx)
             return self.to_bs(-r.logprob, bs)
         k = self.kernel_inputs(ctx)
-        weight = (k.labels_bs != self.ignore_index).float()
-        if ctx.loss_mask is not None:
-            weight = weight * ctx.loss_mask.float()
-        if self.reduction == "mean":
-            weight = weight / _cp_sum(weight.sum(), ctx.cp_group).clamp(min=1.0)
-        token_weight = weight.t().reshape(-1)  # s-major, like the kernel's tokens
+        mode = "token-mean" if self.reduction == "mean" else "token-sum"
+        token_weight = aggregation_weights(self.counted(ctx, k), mode, group=_cp_group(ctx))
         loss = linear_cross_entropy(k.hidden, k.weight, k.labels, token_weight=token_weight, **k.kwargs)
-        if ctx.cp_size > 1:  # the whole sequence's value, this rank's gradient
-            loss = loss + (_cp_sum(loss.detach(), ctx.cp_group) - loss.detach())
-        return loss
+        return _whole_value(loss, ctx)
 
 
 class PolicyLossProcessor(_FusedProcessor):
@@ -426,13 +426,10 @@ class PolicyLossProcessor(_FusedProcessor):
     def process(self, ctx: PostprocessContext) -> Union[dict, tuple]:
         k = self.kernel_inputs(ctx)
         b, s = k.bs
-        mask = (k.labels_bs != self.ignore_index).float()
-        if ctx.loss_mask is not None:
-            mask = mask * ctx.loss_mask.float()
-        seq, num_sequences = sequence_index(b, s, ctx.packed_seq_params, mask.device)
+        seq, num_sequences = sequence_index(b, s, ctx.packed_seq_params, k.hidden.device)
         token_weight = aggregation_weights(
-            mask.t().reshape(-1), self.aggregation, sequence_ids=seq.t().reshape(-1),
-            num_sequences=num_sequences, group=ctx.cp_group if ctx.cp_size > 1 else None,
+            self.counted(ctx, k), self.aggregation, sequence_ids=seq.t().reshape(-1),
+            num_sequences=num_sequences, group=_cp_group(ctx),
         )
         inputs = {}
         for name, t in self.policy_inputs(ctx).items():
@@ -444,19 +441,21 @@ class PolicyLossProcessor(_FusedProcessor):
             inputs[name] = t.t().reshape(-1)  # s-major, like the kernel's tokens
         r = linear_policy_loss(k.hidden, k.weight, k.labels, token_weight=token_weight,
                                loss=self.loss, inputs=inputs, **k.kwargs)
-        loss = r.loss
-        if ctx.cp_size > 1:  # the whole sequences' value, this rank's gradient
-            loss = loss + (_cp_sum(loss.detach(), ctx.cp_group) - loss.detach())
+        loss = _whole_value(r.loss, ctx)
         logprobs, entropy = self.to_bs(r.logprob, k.bs), self.to_bs(r.entropy, k.bs)
         return (loss, logprobs, entropy) if self.as_tuple else {
             "loss": loss, "logprobs": logprobs, "entropy": entropy
         }
 
 
-def _cp_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
-    """``t`` summed over the context-parallel group (a copy; no gradient flows through it)."""
-    t = t.detach().clone()
-    if compat.group_rank_size(group)[1] > 1:
-        torch.distributed.all_reduce(t, group=group)
-    return t
+def _cp_group(ctx: PostprocessContext) -> Any:
+    return ctx.cp_group if ctx.cp_size > 1 else None
+
+
+def _whole_value(loss: torch.Tensor, ctx: PostprocessContext) -> torch.Tensor:
+    """Under context parallelism: the whole sequences' value (summed over the CP group), with
+    this rank's gradient."""
+    if ctx.cp_size == 1:
+        return loss
+    return loss + (group_sum(loss, ctx.cp_group) - loss.detach())
 
