@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (see README): install the carried wheels, run the GPU-marked tests, then
-# the benchmark. Usage: bash benchmarks/device_run.sh [tests|bench|quick|ce|profile|tma|all]   (default: all)
+# the benchmark. Usage: bash benchmarks/device_run.sh [tests|bench|quick|ce|profile|tma|splits|all]   (default: all)
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-benchmarks/out}
@@ -9,7 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L
 rc=0
-if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = quick ] || [ "$what" = profile ] || [ "$what" = ce ]; then
+if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = quick ] || [ "$what" = profile ] || [ "$what" = ce ] || [ "$what" = splits ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore -rs -s -m gpu tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -25 || rc=1
   timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_triton_backend.py 2>&1 | tee "$out/triton_tests.log" | tail -4 || rc=1
 fi
@@ -18,6 +18,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = tma ]; then
   timeout 400 python3 benchmarks/profile_kernels.py --tma 2>&1 | tee "$out/profile_tma.log" || rc=1
+fi
+if [ "$what" = splits ]; then
+  timeout 420 python3 benchmarks/profile_kernels.py --splits 2>&1 | tee "$out/splits.log" || rc=1
 fi
 if [ "$what" = ce ] || [ "$what" = all ]; then
   timeout 300 python3 benchmarks/profile_kernels.py --ce 2>&1 | tee "$out/profile_ce.log" || rc=1

@@ -36,7 +36,12 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=3, default=[16384, 4096, 151936])
     ap.add_argument("--tma", action="store_true", help="only compare TMA and pointer tile loads")
     ap.add_argument("--ce", action="store_true", help="only the reduced cross-entropy (6NHV) path")
+    ap.add_argument("--splits", action="store_true",
+                    help="only the forward grid's vocab splits against the rule they replaced")
     args = ap.parse_args()
+    if args.splits:
+        compare_splits([(16384, 4096, 151936), (32768, 8192, 128256)])
+        return
     n, h, v = args.shape
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, h, device="cuda", generator=g).bfloat16()
@@ -180,7 +185,7 @@ def compare_tma(x, w, coef, label, flop, ceiling) -> None:
 
 def profile_ce(x, w, label, flop, ceiling) -> None:
     """linear_cross_entropy fwd+bwd per chunk budget, and its parts per chunk (x chunk count)."""
-    from mcore_hooks.kernels import _reduced_chunk_size, linear_cross_entropy
+    from mcore_hooks.kernels import _fused_chunk_size, linear_cross_entropy
 
     n, h = x.shape
     v = w.shape[0]
@@ -192,56 +197,100 @@ def profile_ce(x, w, label, flop, ceiling) -> None:
 
     print("\nreduced cross-entropy fwd+bwd (6NHV floor "
           f"{3 * flop / ceiling / 1e9:.1f} ms): budget -> tokens/chunk, ms, % of ceiling, peak extra MiB")
-    base = tf.TritonFused.ce_chunk_bytes
+    base = tf.TritonFused.fused_chunk_bytes
     for budget in (1 << 30, 3 << 29, 1 << 31, 5 << 29, 3 << 30):
-        tf.TritonFused.ce_chunk_bytes = budget
-        c = _reduced_chunk_size(tf.TritonFused(), n, v, x.element_size())
-        run()
-        xr.grad = wr.grad = None
-        torch.cuda.synchronize()
-        m0 = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        run()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - m0) / 2**20
-        t = bench(run)
+        tf.TritonFused.fused_chunk_bytes = budget
+        c = _fused_chunk_size(tf.TritonFused(), n, v, x.element_size())
+        t, peak = _time_and_peak(run, lambda: setattr(xr, "grad", None) or setattr(wr, "grad", None))
         print(f"  {budget >> 20} MiB -> {c}: {t:.1f} ms, {3 * flop / t / 1e9 / ceiling:.0%}, {peak:.0f} MiB",
               flush=True)
-    tf.TritonFused.ce_chunk_bytes = base
+    tf.TritonFused.fused_chunk_bytes = base
     xr.grad = wr.grad = None
-    for c in (1024, 2048, 4096):
+    for c in (2048, 4096):
         _ce_parts(x, w, label, c, flop, ceiling)
         torch.cuda.empty_cache()
 
 
+def _time_and_peak(run, clear) -> tuple[float, float]:
+    """Median ms of ``run`` and its peak memory allocated beyond what was live before (MiB)."""
+    run()
+    clear()
+    torch.cuda.synchronize()
+    m0 = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - m0) / 2**20
+    clear()
+    return bench(run), peak
+
+
 def _ce_parts(x, w, label, c, flop, ceiling) -> None:
-    """Each pass of one chunk of ``c`` tokens, times the number of chunks."""
+    """Each pass of one chunk of ``c`` tokens (logits in half chunks), times the number of chunks."""
+    from mcore_hooks.kernels.autograd import Backend
     from mcore_hooks.kernels.matmul import addmm_f32_, mm_f32
 
     n, h = x.shape
     v = w.shape[0]
     k = -(-n // c)
-    z = torch.empty((c, v), dtype=torch.float32, device="cuda")
+    cz = c // 2
+    z = torch.empty((cz, v), dtype=torch.float32, device="cuda")
     dz = torch.empty((c, v), dtype=x.dtype, device="cuda")
-    coef = torch.ones(c, device="cuda")
-    ll = label[:c]
-    m, log_s = torch.full((c,), 10.0, device="cuda"), torch.full((c,), 2.0, device="cuda")
+    coef = torch.ones(cz, device="cuda")
+    ll = label[:cz]
+    m, log_s = torch.full((cz,), 10.0, device="cuda"), torch.full((cz,), 2.0, device="cuda")
     dx32 = torch.empty((c, h), dtype=torch.float32, device="cuda")
     dw32 = torch.zeros((v, h), dtype=torch.float32, device="cuda")
     dwb = torch.zeros((v, h), dtype=x.dtype, device="cuda")
-    mm_f32(x[:c], w.t(), out=z)
     parts = {
-        "logits mm (fp32 out)": lambda: mm_f32(x[:c], w.t(), out=z),
-        "row stats": lambda: DEFAULT.ce_row_stats(z, coef, ll),
-        "row grad": lambda: DEFAULT.ce_row_grad(z, coef, ll, m, log_s, coef, dz),
+        "logits mm (fp32 out) + row stats": lambda: Backend.logits_stats(DEFAULT, x[:cz], w, coef, ll, False, z),
+        "logits mm (fp32 out)": lambda: mm_f32(x[:cz], w.t(), out=z),
+        "row stats": lambda: DEFAULT.row_stats(z, coef, ll, False),
+        "stats kernel storing the logits": lambda: DEFAULT.logits_stats(x[:cz], w, coef, ll, False, z),
+        "row grad": lambda: DEFAULT.row_grad(z, coef, ll, m, log_s, coef, None, None, dz[:cz]),
         "dX mm (fp32 out)": lambda: mm_f32(dz, w, out=dx32),
         "dW addmm (fp32 acc)": lambda: addmm_f32_(dw32, dz.t(), x[:c]),
         "dW addmm_ (bf16 acc, rounds per chunk)": lambda: dwb.addmm_(dz.t(), x[:c]),
     }
     for name, fn in parts.items():
-        t = bench(fn) * k
-        share = f", {flop / t / 1e9 / ceiling:.0%}" if "mm" in name else ""
+        t = bench(fn) * k * (2 if ("logits" in name or name.startswith("row")) else 1)
+        share = f", {flop / t / 1e9 / ceiling:.0%}" if "mm" in name or "kernel" in name else ""
         print(f"  chunk {c} x {k}: {name}: {t:.1f} ms{share}", flush=True)
+
+
+def compare_splits(shapes) -> None:
+    """The forward grid's vocab splits, :func:`forward_splits` against the rule it replaced
+    (the fewest splits giving two programs per SM), at RL micro-batch sizes and the full shape."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ceiling = 2 * 8192**3 / bench(lambda: a @ a) / 1e9
+    print(f"bf16 matmul ceiling {ceiling:.0f} TF/s")
+    sms = tf._num_sms(0)
+    rule = tf.forward_splits
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, h, v in shapes:
+        x = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).bfloat16()
+        label = torch.randint(0, v, (n,), device="cuda", generator=g)
+        print(f"\n== hidden {h} x vocab {v}", flush=True)
+        for rows in sorted({2048, 4096, n}):
+            xs, ls, cs = x[:rows], label[:rows], torch.ones(rows, device="cuda")
+            rb = triton.cdiv(rows, DEFAULT.tiles.fwd.block_n)
+            old = max(tf._MIN_SPLITS, math.ceil(2 * sms / rb))
+            flop = 2 * rows * h * v
+            times: dict = {}
+            a, b = ("old rule", lambda *_: old), ("forward_splits", rule)
+            # A B B A: whichever runs first can be a few % slower (clocks settling)
+            for name, pick in (a, b, b, a):
+                tf.forward_splits = pick
+                try:
+                    sp = pick(rb, triton.cdiv(v, DEFAULT.tiles.fwd.block_v), sms)
+                    times.setdefault((name, sp), []).append(bench(lambda: DEFAULT.local_stats(xs, w, cs, ls, 0)))
+                finally:
+                    tf.forward_splits = rule
+            for (name, sp), ts in times.items():
+                t = min(ts)
+                print(f"  {rows} tokens, {name} ({sp} splits): {t:.2f} ms ({' / '.join(f'{x:.2f}' for x in ts)}), "
+                      f"{flop / t / 1e9 / ceiling:.0%}", flush=True)
 
 
 if __name__ == "__main__":

@@ -333,3 +333,31 @@ def test_backend_in_use_is_visible(caplog, monkeypatch):
     monkeypatch.setattr(triton_fused, "device_tiles", lambda device: None)  # a GPU nothing fits
     with pytest.raises(ValueError, match="backend: 'triton' needs bf16/fp16 inputs on a CUDA GPU"):
         backend_for(torch.bfloat16, "cpu", "triton")
+
+
+def _grid_cost(row_blocks: int, vtiles: int, sms: int, splits: int) -> int:
+    """Waves x vocab tiles per program of the statistics kernel's grid, as it launches."""
+    per_split = math.ceil(vtiles / min(vtiles, splits))
+    return math.ceil(row_blocks * math.ceil(vtiles / per_split) / sms) * per_split
+
+
+@settings(max_examples=300, deadline=None)
+@given(row_blocks=st.integers(1, 4096), vtiles=st.integers(1, 4096), sms=st.integers(1, 256))
+def test_forward_splits_never_costs_more_than_the_fixed_rule(row_blocks, vtiles, sms):
+    """The statistics kernel's vocab splits: at least 4 (or every tile), and a grid within 2% of
+    the one the earlier fixed rule (the fewest splits giving two programs per SM) launched."""
+    from mcore_hooks.kernels.triton_fused import forward_splits
+
+    s = forward_splits(row_blocks, vtiles, sms)
+    assert min(4, vtiles) <= s <= vtiles
+    fixed = max(4, math.ceil(2 * sms / row_blocks))
+    assert _grid_cost(row_blocks, vtiles, sms, s) <= 1.02 * _grid_cost(row_blocks, vtiles, sms, fixed)
+
+
+def test_forward_splits_fills_one_wave_where_the_fixed_rule_left_a_sliver():
+    # 4096 tokens (32 row blocks of 128) x 151936 vocab (594 tiles of 256) on 132 SMs: the fixed
+    # rule's 9 splits launch 288 programs, three waves, the last of 24; 4 splits launch one wave.
+    from mcore_hooks.kernels.triton_fused import forward_splits
+
+    assert forward_splits(32, 594, 132) == 4
+    assert _grid_cost(32, 594, 132, 4) == 149 < _grid_cost(32, 594, 132, 9) == 198

@@ -329,6 +329,25 @@ if triton is not None:
             tl.store(out + cols, (dl * coef).to(DZ.dtype.element_ty), mask=mask)
 
 
+def forward_splits(row_blocks: int, vtiles: int, sms: int) -> int:
+    """Vocab splits of the statistics kernel's grid (``row_blocks x splits`` programs, one per
+    SM at a time, each walking ``vtiles / splits`` vocab tiles). Its time goes as waves x tiles
+    per program: the fewest splits within 2% of the least of that, and at least
+    :data:`_MIN_SPLITS` (programs running together then share row blocks and walk the same
+    weight tiles). A rule of two programs per SM left a last wave of a few programs at 2048-4096
+    tokens: 4096 x 4096 x 151936 took 9.6 ms with it, 7.3 with this (H200,
+    ``benchmarks/profile_kernels.py --tune``)."""
+    top = max(_MIN_SPLITS, 2 * math.ceil(2 * sms / row_blocks))
+
+    def cost(s: int) -> int:
+        per_split = math.ceil(vtiles / s)  # as the launch rounds it: splits may shrink
+        return math.ceil(row_blocks * math.ceil(vtiles / per_split) / sms) * per_split
+
+    candidates = range(min(_MIN_SPLITS, vtiles), min(top, vtiles) + 1)
+    least = min(cost(s) for s in candidates)
+    return next(s for s in candidates if cost(s) <= least * 1.02)
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
@@ -375,9 +394,8 @@ class TritonFused(Backend):
         tile = self.tiles.fwd
         row_blocks = triton.cdiv(n, tile.block_n)
         vtiles = triton.cdiv(v, tile.block_v)
-        # Each split walks a contiguous vocab range. At least _MIN_SPLITS of them, so programs
-        # running together share row blocks; more when there are few row blocks, to fill the SMs.
-        want = max(_MIN_SPLITS, math.ceil(2 * _num_sms(x.device.index or 0) / row_blocks))
+        # Each split walks a contiguous vocab range (forward_splits: as few as fill the SMs).
+        want = forward_splits(row_blocks, vtiles, _num_sms(x.device.index or 0))
         tiles_per_split = triton.cdiv(vtiles, min(vtiles, want))
         splits = triton.cdiv(vtiles, tiles_per_split)
         x, weight = x.contiguous(), weight.contiguous()
