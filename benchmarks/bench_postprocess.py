@@ -20,7 +20,7 @@ import math
 import os
 import sys
 import traceback
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -162,25 +162,32 @@ def main_grad_of(w):
     return _main_grad[key]
 
 
-def hooks_grpo_main_grad():
+def hooks_grpo_main_grad(declared: bool = False, chunk_size: Optional[int] = None):
     from mcore_hooks.kernels import linear_policy_loss
 
     cfg = _grpo_cfg(False)
 
-    def run(x, w, y):  # dW added into main_grad in the backward (8NHV), no [V, H] buffer
+    # dW added into main_grad in the backward (8NHV), no [V, H] buffer; declared: the upstream
+    # gradient (1, the benchmark's backward) given, dW added in the forward (6NHV)
+    def run(x, w, y):
         old, adv = grpo_inputs(x, w, y)
         tw = torch.full_like(old, 1.0 / old.shape[0])
         return linear_policy_loss(x, w, y, token_weight=tw, loss=cfg, backend="triton",
                                   inputs={"old_logprobs": old, "advantages": adv},
-                                  weight_grad_accumulator=main_grad_of(w)).loss
+                                  weight_grad_accumulator=main_grad_of(w), chunk_size=chunk_size,
+                                  upstream_grad=1.0 if declared else None).loss
 
     return run
 
 
-def hooks_ce_main_grad(x, w, y):
+def hooks_ce_main_grad(declared: bool = False):
     from mcore_hooks.kernels import linear_cross_entropy
 
-    return linear_cross_entropy(x, w, y, backend="triton", weight_grad_accumulator=main_grad_of(w))
+    def run(x, w, y):
+        return linear_cross_entropy(x, w, y, backend="triton", weight_grad_accumulator=main_grad_of(w),
+                                    upstream_grad=1.0 if declared else None)
+
+    return run
 
 
 def liger_grpo():
@@ -214,11 +221,17 @@ METHODS: list[tuple[str, str, Callable]] = [
     ("mcore-hooks triton, logprob+entropy", "lp+ent", lambda: hooks("triton")),
     ("mcore-hooks triton, linear-CE (sum)", "loss", lambda: hooks_ce("triton")),
     ("Liger fused linear CE", "loss", liger),
-    ("mcore-hooks triton, linear-CE (sum), dW into main_grad", "loss", lambda: hooks_ce_main_grad),
+    ("mcore-hooks triton, linear-CE (sum), dW into main_grad", "loss", hooks_ce_main_grad),
+    ("mcore-hooks triton, linear-CE (sum), dW into main_grad in the forward (upstream_grad)", "loss",
+     lambda: hooks_ce_main_grad(True)),
     ("stock GRPO: logits -> fp32 log_softmax -> clipped loss", "grpo", lambda: stock_grpo(False)),
     ("mcore-hooks two-pass GRPO (logprob, loss in torch)", "grpo", lambda: hooks_grpo_two_pass(False)),
     ("mcore-hooks fused GRPO (linear_policy_loss)", "grpo", lambda: hooks_grpo_fused(False)),
     ("mcore-hooks GRPO, dW into main_grad", "grpo", hooks_grpo_main_grad),
+    ("mcore-hooks GRPO, dW into main_grad in the forward (upstream_grad)", "grpo",
+     lambda: hooks_grpo_main_grad(True)),
+    ("mcore-hooks GRPO, dW into main_grad in the forward, 2048-token chunks", "grpo",
+     lambda: hooks_grpo_main_grad(True, 2048)),
     ("Liger fused linear GRPO", "grpo", liger_grpo),
     ("stock GRPO + entropy bonus", "grpo+ent", lambda: stock_grpo(True)),
     ("mcore-hooks two-pass GRPO + entropy bonus", "grpo+ent", lambda: hooks_grpo_two_pass(True)),

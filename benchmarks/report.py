@@ -14,6 +14,8 @@ LIGER = "Liger fused linear CE"
 CE_MAIN_GRAD = "mcore-hooks triton, linear-CE (sum), dW into main_grad"
 STOCK_GRPO = "stock GRPO: logits -> fp32 log_softmax -> clipped loss"
 FUSED_GRPO = "mcore-hooks fused GRPO (linear_policy_loss)"
+GRPO_DECLARED = "mcore-hooks GRPO, dW into main_grad in the forward (upstream_grad)"
+GRPO_DECLARED_2048 = "mcore-hooks GRPO, dW into main_grad in the forward, 2048-token chunks"
 LIGER_GRPO = "Liger fused linear GRPO"
 STOCK_GRPO_ENT = "stock GRPO + entropy bonus"
 FUSED_GRPO_ENT = "mcore-hooks fused GRPO + entropy bonus"
@@ -60,6 +62,12 @@ def goals(blob) -> list[tuple[str, str, str, bool]]:
     g = _get(blob, shape, FUSED_GRPO, "fwd+bwd")
     add("GRPO fwd+bwd / stock GRPO", ratio(g, _get(blob, shape, STOCK_GRPO, "fwd+bwd")), "<= 0.90", lambda r: r <= 0.9)
     add("GRPO fwd+bwd peak extra memory (MiB)", _get(blob, shape, FUSED_GRPO, "fwd+bwd", "peak_extra_mib"), "<= 2048", lambda r: r <= 2048, "{:.0f}")
+    for method, tag in ((GRPO_DECLARED, ""), (GRPO_DECLARED_2048, ", 2048-token chunks")):
+        gd = _get(blob, shape, method, "fwd+bwd")
+        add(f"GRPO, dW into main_grad in the forward{tag}: fwd+bwd / stock GRPO",
+            ratio(gd, _get(blob, shape, STOCK_GRPO, "fwd+bwd")), "<= 0.90", lambda r: r <= 0.9)
+        add(f"GRPO, dW into main_grad in the forward{tag}: peak extra memory (MiB)",
+            _get(blob, shape, method, "fwd+bwd", "peak_extra_mib"), "<= 2048", lambda r: r <= 2048, "{:.0f}")
     add("GRPO + entropy bonus fwd+bwd / stock", ratio(_get(blob, shape, FUSED_GRPO_ENT, "fwd+bwd"), _get(blob, shape, STOCK_GRPO_ENT, "fwd+bwd")), "<= 0.62", lambda r: r <= 0.62)
     add("Liger GRPO fwd+bwd / fused GRPO", ratio(_get(blob, shape, LIGER_GRPO, "fwd+bwd"), g), ">= 8", lambda r: r >= 8, "{:.1f}")
     shapes = []

@@ -276,11 +276,12 @@ def test_megatron_fsdp_unshards_the_output_weight(backport):
 # --------------------------------------------------------------------------- main_grad
 
 
-def _main_grad_worker(port: int, tied: bool, dtype_name: str, out) -> None:
+def _main_grad_worker(port: int, tied: bool, dtype_name: str, declared: bool, out) -> None:
     """Megatron DDP (overlap_grad_reduce, fp32 grad buffers) on one GPU, two micro-batches of a
     GRPO loss: the stock path (logits, log_softmax, the loss) against PolicyLossProcessor with
     ``gradient_accumulation_fusion`` on (its output-weight gradient added into main_grad in the
-    backward, the weight marked as Megatron's layers mark it). Returns each parameter's
+    backward, or in the forward with the upstream gradient declared; the weight marked as
+    Megatron's layers mark it). Returns each parameter's
     main_grad difference, relative, after both micro-batches and the gradient sync."""
     try:
         import torch.distributed as dist
@@ -341,8 +342,11 @@ def _main_grad_worker(port: int, tied: bool, dtype_name: str, out) -> None:
             model.zero_grad_buffer()
             for ids, labels, inputs in batches:
                 if fused:
-                    out = model(ids, pos, mask, labels=labels,
-                                output_processor=PolicyLossProcessor(loss=cfg), output_processor_context=inputs)
+                    # declared: the schedule's 1 / num_microbatches, the weight's gradient then
+                    # added into main_grad in the forward
+                    proc = PolicyLossProcessor(loss=cfg, upstream_grad=1 / len(batches) if declared else None)
+                    out = model(ids, pos, mask, labels=labels, output_processor=proc,
+                                output_processor_context=inputs)
                     loss = out["loss"]
                 else:
                     logits = model(ids, pos, mask).float()
@@ -364,14 +368,15 @@ def _main_grad_worker(port: int, tied: bool, dtype_name: str, out) -> None:
         out.put((None, None, traceback.format_exc()))
 
 
+@pytest.mark.parametrize("declared", [False, True], ids=["in-backward", "declared-upstream-grad"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_gradient_accumulation_fusion_into_megatron_ddp(tied, dtype):
+def test_gradient_accumulation_fusion_into_megatron_ddp(tied, dtype, declared):
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    p = ctx.Process(target=_main_grad_worker, args=(_free_port(), tied, dtype, out))
+    p = ctx.Process(target=_main_grad_worker, args=(_free_port(), tied, dtype, declared, out))
     p.start()
     errors, flag, tb = out.get(timeout=300)
     p.join(timeout=60)

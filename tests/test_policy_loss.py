@@ -474,3 +474,52 @@ def test_weight_gradient_into_an_fp32_accumulator(entry):
         run(weight_grad_accumulator=torch.zeros(vocab, hidden, dtype=torch.float64))
     with pytest.raises(ValueError, match="weight_grad_accumulator: expected a float32 tensor"):
         run(weight_grad_accumulator=torch.zeros(vocab + 1, hidden))
+
+
+@pytest.mark.parametrize("entry", ["cross_entropy", "policy"])
+def test_a_declared_upstream_gradient_adds_into_the_accumulator_in_the_forward(entry):
+    """``upstream_grad`` with an accumulator: the weight's gradient, scaled by the declared
+    upstream gradient, is in the accumulator once the forward returns (formed there, 6NHV); the
+    backward leaves it alone, gives dX as without, and rejects another upstream gradient."""
+    from mcore_hooks.kernels import linear_cross_entropy
+
+    g = torch.Generator().manual_seed(7)
+    n, hidden, vocab = 30, 8, 53
+    x, w = torch.randn(n, hidden, generator=g), torch.randn(vocab, hidden, generator=g) / 3
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[4] = -100
+    inputs = {"old_logprobs": -torch.rand(n, generator=g) * 5, "advantages": torch.randn(n, generator=g)}
+    tw = torch.rand(n, generator=g)
+    up = -0.37
+
+    def forward(xr, wr, **kw):
+        if entry == "cross_entropy":
+            return linear_cross_entropy(xr, wr, labels, token_weight=tw, chunk_size=7, **kw)
+        return linear_policy_loss(xr, wr, labels, token_weight=tw, loss=PolicyLoss(entropy_coef=0.01),
+                                  inputs=inputs, chunk_size=7, **kw).loss
+
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = forward(xr, wr)
+    (ref * up).backward()
+    start = torch.randn(vocab, hidden, generator=g)
+    acc = start.clone()
+    xd, wd = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = forward(xd, wd, weight_grad_accumulator=acc, upstream_grad=up, placeholder_weight_grad=True)
+    assert float(loss.detach()) == float(ref.detach())
+    assert rel(acc - start, wr.grad) < 1e-6  # before any backward
+    after_forward = acc.clone()
+    (loss * up).backward()
+    assert torch.equal(acc, after_forward)
+    assert rel(xd.grad, xr.grad) < 1e-6
+    assert wd.grad is not None and not wd.grad.any()  # the placeholder
+
+    other = forward(x.clone().requires_grad_(), w.clone().requires_grad_(),
+                    weight_grad_accumulator=start.clone(), upstream_grad=up)
+    with pytest.raises(RuntimeError, match="upstream_grad: the loss was declared to receive"):
+        (other * 2 * up).backward()
+    with pytest.raises(ValueError, match="upstream_grad: declares the gradient"):
+        forward(x, w, upstream_grad=1.0)
+    with pytest.raises(TypeError, match="upstream_grad: expected a float or None"):
+        forward(x, w, weight_grad_accumulator=start.clone(), upstream_grad=True)
+    with pytest.raises(ValueError, match="upstream_grad: expected a finite value"):
+        forward(x, w, weight_grad_accumulator=start.clone(), upstream_grad=float("inf"))

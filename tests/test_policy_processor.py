@@ -193,13 +193,17 @@ def _ddp_like(weight, zero_out_wgrad):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("make", [
     lambda: PolicyLossProcessor(loss=CFG),
+    lambda: PolicyLossProcessor(loss=CFG, upstream_grad=0.5),
     lambda: LinearCEProcessorSum(),
+    lambda: LinearCEProcessorSum(upstream_grad=0.5),
     lambda: LogprobEntropyProcessorSum(),
-], ids=["policy", "linear-ce-sum", "logprob-entropy"])
+], ids=["policy", "policy-declared", "linear-ce-sum", "linear-ce-sum-declared", "logprob-entropy"])
 def test_gradient_accumulation_fusion_adds_into_main_grad(tied, make):
     """config.gradient_accumulation_fusion: the output weight's gradient goes into main_grad in
     fp32 (two micro-batches accumulate), the weight is marked grad_added_to_main_grad, and DDP's
-    hook adds nothing twice; a tied weight's other gradient (the embedding's) still arrives."""
+    hook adds nothing twice; a tied weight's other gradient (the embedding's) still arrives.
+    With the upstream gradient declared (0.5, what the step's backward brings), the same sums,
+    the weight's added in the forward."""
     import types
 
     g = torch.Generator().manual_seed(12)
@@ -236,10 +240,37 @@ def test_gradient_accumulation_fusion_adds_into_main_grad(tied, make):
 
 
 class LinearCEProcessorSum:
+    def __init__(self, **options):
+        self.options = options
+
     def __call__(self, **kw):
         from mcore_hooks import LinearCEProcessor
 
-        return LinearCEProcessor(reduction="sum")(**kw)
+        return LinearCEProcessor(reduction="sum", **self.options)(**kw)
+
+
+def test_a_declared_upstream_gradient_is_checked():
+    """upstream_grad: checked at construction, and against the gradient the backward brings (a
+    different one is an error, never a wrong main_grad; on the CPU it raises at once)."""
+    import types
+
+    with pytest.raises(TypeError, match="upstream_grad: expected a float or None"):
+        PolicyLossProcessor(upstream_grad="0.5")
+    with pytest.raises(ValueError, match="upstream_grad: expected a finite value"):
+        PolicyLossProcessor(upstream_grad=float("nan"))
+    g = torch.Generator().manual_seed(3)
+    s, b, h, v = 5, 2, 8, 30
+    layer = torch.nn.Linear(h, v, bias=False)
+    handle = _ddp_like(layer.weight, zero_out_wgrad=False)
+    hidden = torch.randn(s, b, h, generator=g, requires_grad=True)
+    kw = hook_keywords(hidden, layer, labels=torch.randint(0, v, (b, s), generator=g),
+                       context=_inputs((b, s), g))
+    kw["config"] = types.SimpleNamespace(context_parallel_size=1, gradient_accumulation_fusion=True)
+    out = PolicyLossProcessor(loss=CFG, upstream_grad=0.25)(**kw)
+    assert layer.weight.main_grad.abs().sum() > 0  # added in the forward
+    with pytest.raises(RuntimeError, match="upstream_grad: the loss was declared to receive the gradient 0.25"):
+        (out["loss"] * 0.5).backward()
+    handle.remove()
 
 
 class LogprobEntropyProcessorSum:

@@ -139,6 +139,7 @@ def linear_cross_entropy(
     backend: str = "auto",
     weight_grad_accumulator: Optional[torch.Tensor] = None,
     placeholder_weight_grad: bool = False,
+    upstream_grad: Optional[float] = None,
 ) -> torch.Tensor:
     """Reduced cross-entropy ``sum_i token_weight_i * -log p_i(labels_i)``, a float32 scalar.
 
@@ -162,12 +163,19 @@ def linear_cross_entropy(
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         weight_grad_accumulator: a float32 tensor shaped like ``weight`` (Megatron's
             ``main_grad``) that the weight's gradient is added into instead of being returned.
-            The upstream gradient is known only in the backward, so the gradients are then
-            formed there (the log-prob pass, logits recomputed: 8NHV rather than 6NHV), the
-            weight's in float32 straight into the accumulator: nothing of size
-            ``[V_local, H]`` is allocated.
+            The upstream gradient is known only in the backward (unless ``upstream_grad``
+            declares it), so the gradients are then formed there (the log-prob pass, logits
+            recomputed: 8NHV rather than 6NHV), the weight's in float32 straight into the
+            accumulator: nothing of size ``[V_local, H]`` is allocated.
         placeholder_weight_grad: with an accumulator, give ``weight`` a zero-stride zero
             gradient instead of none (see :func:`linear_logprob_entropy`).
+        upstream_grad: with an accumulator, the gradient the returned loss will receive in its
+            backward, declared in advance (under Megatron with bf16, ``1 / num_microbatches``
+            times whatever the loss function multiplies the loss by). The gradients are then
+            formed in the forward (6NHV), ``upstream_grad * dW`` added into the accumulator
+            there, so the forward must be followed by exactly one backward. The backward
+            checks the gradient it receives on the device: a different one stops the process
+            with a device-side assertion (on the CPU, a RuntimeError), never a wrong gradient.
 
     Returns:
         The float32 scalar loss.
@@ -180,7 +188,7 @@ def linear_cross_entropy(
         raise ValueError("labels: linear_cross_entropy needs labels")
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
                  chunk_size, backend, fused=True, accumulator=weight_grad_accumulator,
-                 dummy_weight_grad=placeholder_weight_grad)
+                 dummy_weight_grad=placeholder_weight_grad, upstream_grad=upstream_grad)
     tw = _token_vector("token_weight", token_weight, p.n, hidden.device, default=1.0)
     return _fused(hidden, weight, p, WeightedNLL(tw))[0]
 
@@ -201,6 +209,7 @@ def linear_policy_loss(
     backend: str = "auto",
     weight_grad_accumulator: Optional[torch.Tensor] = None,
     placeholder_weight_grad: bool = False,
+    upstream_grad: Optional[float] = None,
 ) -> PolicyLossResult:
     """A policy loss ``sum_i token_weight_i * f(logprob_i, entropy_i, inputs_i)``, fused with the
     output layer, with its gradients formed in the forward.
@@ -235,6 +244,9 @@ def linear_policy_loss(
         weight_grad_accumulator: as :func:`linear_cross_entropy`'s (gradients formed in the
             backward, the weight's added into it in float32).
         placeholder_weight_grad: as :func:`linear_logprob_entropy`'s.
+        upstream_grad: as :func:`linear_cross_entropy`'s (with an accumulator, the loss's
+            gradient declared in advance: gradients formed in the forward, the weight's added
+            into the accumulator there).
 
     Returns:
         :class:`PolicyLossResult`: the float32 scalar loss, and detached float32 ``[N]``
@@ -249,7 +261,7 @@ def linear_policy_loss(
         raise ValueError("labels: linear_policy_loss needs the sampled tokens as labels")
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
                  chunk_size, backend, fused=True, accumulator=weight_grad_accumulator,
-                 dummy_weight_grad=placeholder_weight_grad)
+                 dummy_weight_grad=placeholder_weight_grad, upstream_grad=upstream_grad)
     tw = _token_vector("token_weight", token_weight, p.n, hidden.device)
     if check_values(tw) and not bool(torch.isfinite(tw).all()):
         raise ValueError("token_weight: every value must be finite")
@@ -262,12 +274,14 @@ def linear_policy_loss(
 
 def _fused(hidden, weight, p: KernelParams, token_loss: TokenLoss):
     """(loss, logprob, entropy) of a :class:`TokenLoss`. Gradients formed in the forward where
-    any is needed; with a weight-gradient accumulator (the upstream gradient, which scales what
-    is added into it, is known only in the backward), the log-prob pass and the terms in torch,
-    the logits recomputed in the backward; without gradients, the log-prob pass alone."""
+    any is needed; with a weight-gradient accumulator and no declared upstream gradient (which
+    scales what is added into it, and is otherwise known only in the backward), the log-prob
+    pass and the terms in torch, the logits recomputed in the backward; without gradients, the
+    log-prob pass alone."""
     need_x = hidden.requires_grad and torch.is_grad_enabled()
     need_w = weight.requires_grad and torch.is_grad_enabled()
-    if (need_x or need_w) and p.weight_grad_accumulator is None:
+    in_forward = p.weight_grad_accumulator is None or p.upstream_grad is not None
+    if (need_x or need_w) and in_forward:
         return LinearFusedLoss.apply(hidden, weight, p, token_loss, need_x, need_w)
     logprob, entropy, _, _ = LinearLogSoftmaxStats.apply(hidden, weight, p)
     ent = entropy if token_loss.needs_entropy else None
@@ -290,7 +304,7 @@ def _token_vector(name: str, t: Any, n: int, device: torch.device,
 
 def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel, chunk_size,
              backend, fused: bool = False, accumulator: Optional[torch.Tensor] = None,
-             dummy_weight_grad: bool = False) -> KernelParams:
+             dummy_weight_grad: bool = False, upstream_grad: Optional[float] = None) -> KernelParams:
     """Check the arguments (errors name the argument) and put them in the kernels' form."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -325,7 +339,8 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
     backend_impl = _select_backend(backend, hidden)
     if chunk_size is None:
         chunk_size = (
-            _fused_chunk_size(backend_impl, n, weight.shape[0], hidden.element_size())
+            _fused_chunk_size(backend_impl, n, weight.shape[0], hidden.element_size(),
+                              into_accumulator=accumulator is not None and upstream_grad is not None)
             if fused else default_chunk_size(weight.shape[0])
         )
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
@@ -362,16 +377,35 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
             f"{getattr(accumulator, 'dtype', type(accumulator).__name__)} "
             f"{tuple(getattr(accumulator, 'shape', ()))}"
         )
+    if upstream_grad is not None:
+        check_upstream_grad_option(upstream_grad)
+        if accumulator is None:
+            raise ValueError(
+                "upstream_grad: declares the gradient that goes into weight_grad_accumulator in "
+                "the forward; without an accumulator leave it None"
+            )
+        upstream_grad = float(upstream_grad)
     group = parallel.group if tp > 1 else None
     return KernelParams(gl, valid, coef, int(parallel.vocab_start), group, sp, chunk_size, backend_impl,
-                        accumulator, dummy_weight_grad)
+                        accumulator, dummy_weight_grad, upstream_grad)
 
 
-def _fused_chunk_size(backend: Backend, n: int, v_local: int, itemsize: int) -> int:
+def check_upstream_grad_option(upstream_grad: Any) -> None:
+    """``upstream_grad``: None or a finite real number (errors name the argument)."""
+    if upstream_grad is None:
+        return
+    if isinstance(upstream_grad, bool) or not isinstance(upstream_grad, (int, float)):
+        raise TypeError(f"upstream_grad: expected a float or None, got {type(upstream_grad).__name__}")
+    if not math.isfinite(upstream_grad):
+        raise ValueError(f"upstream_grad: expected a finite value, got {upstream_grad!r}")
+
+
+def _fused_chunk_size(backend: Backend, n: int, v_local: int, itemsize: int,
+                      into_accumulator: bool = False) -> int:
     """Tokens per chunk of the losses with gradients formed in the forward: the chunk's logit
     gradient (input dtype) and half a chunk of fp32 logits within the backend's budget, balanced
     so the last chunk is not a sliver."""
-    budget = backend.fused_chunk_bytes
+    budget = backend.accumulating_chunk_bytes if into_accumulator else backend.fused_chunk_bytes
     most = max(1, budget // (max(1, v_local) * (itemsize + 2)))
     chunks = -(-n // most)
     even = -(-n // chunks)

@@ -102,8 +102,11 @@ class Backend:
     """
 
     name: str = "?"
-    # fused_loss: bytes of one token chunk's logit gradient plus half a chunk of fp32 logits
+    # fused_loss: bytes of one token chunk's logit gradient plus half a chunk of fp32 logits;
+    # the second where dW goes into an accumulator in the forward (no [V, H] buffer is held,
+    # so the chunk is most of the memory)
     fused_chunk_bytes: int = 1 << 28
+    accumulating_chunk_bytes: int = 1 << 28
 
     def local_stats(
         self, x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor,
@@ -148,7 +151,9 @@ class Backend:
         loss, logprob = torch.zeros(n, **f32), torch.zeros(n, **f32)
         entropy = torch.zeros(n, **f32) if with_entropy else None
         dx = torch.empty((n, x.shape[1]), **f32) if need_x else None
-        dw = torch.empty(weight.shape, **f32) if need_w else None
+        # a declared upstream gradient: dW goes straight into the accumulator, scaled by it
+        into = p.weight_grad_accumulator if p.upstream_grad is not None else None
+        dw = torch.empty(weight.shape, **f32) if need_w and into is None else None
         need_grad = need_x or need_w
         # dz holds `chunk_size` tokens (the K of each dW product: fewer passes over the fp32
         # accumulator); their fp32 logits are made half a chunk at a time.
@@ -183,7 +188,9 @@ class Backend:
             xc, dzc = x[start:end], dz[: end - start]
             if need_x:
                 mm_f32(dzc, weight, out=dx[start:end])
-            if need_w:
+            if need_w and into is not None:
+                addmm_f32_(into, dzc.t(), xc, alpha=p.upstream_grad)
+            elif need_w:
                 if start == 0:
                     mm_f32(dzc.t(), xc, out=dw)
                 else:
@@ -320,7 +327,9 @@ class LinearFusedLoss(torch.autograd.Function):
     the forward (:meth:`Backend.fused_loss`); also returns the detached per-token log-probs and
     entropies (zeros where the loss did not need them). dX and dW are kept in float32 until the
     backward scales them by the upstream gradient, so each is rounded to the input dtype once,
-    as the stock single matmul rounds it."""
+    as the stock single matmul rounds it. With a declared upstream gradient
+    (``KernelParams.upstream_grad``) dW is already in the accumulator, scaled by it, and the
+    backward checks that the gradient it gets is that one."""
 
     @staticmethod
     def forward(ctx, hidden, weight, p: KernelParams, token_loss: TokenLoss, need_x: bool,
@@ -330,6 +339,7 @@ class LinearFusedLoss(torch.autograd.Function):
         r = p.backend.fused_loss(x, weight, p, local_label, token_loss, need_x, need_w)
         ctx.save_for_backward(r.dx, r.dw)
         ctx.params, ctx.hidden_shape, ctx.dtype = p, hidden.shape, x.dtype
+        ctx.weight_shape = weight.shape
         entropy = r.entropy if r.entropy is not None else torch.zeros_like(r.logprob)
         ctx.mark_non_differentiable(r.logprob, entropy)
         return r.loss.sum(), r.logprob, entropy
@@ -344,4 +354,20 @@ class LinearFusedLoss(torch.autograd.Function):
             dx = reduce_hidden_grad(dx, p.group, p.sequence_parallel).view(ctx.hidden_shape)
         if dw32 is not None:
             dw = torch.mul(dw32, grad, out=torch.empty(dw32.shape, dtype=ctx.dtype, device=dw32.device))
+        elif p.upstream_grad is not None and ctx.needs_input_grad[1]:
+            check_upstream_grad(grad, p.upstream_grad)
+            if p.dummy_weight_grad:
+                dw = torch.zeros((), dtype=ctx.dtype, device=grad.device).expand(ctx.weight_shape)
         return dx, dw, None, None, None, None
+
+
+def check_upstream_grad(grad: torch.Tensor, declared: float) -> None:
+    """That the gradient a loss received is the one declared when its weight gradient went into
+    the accumulator in the forward. On the device, without waiting for it: a mismatch stops
+    the process with a device-side assertion (at once on the CPU), never a wrong gradient."""
+    torch._assert_async(
+        grad.detach().float() == declared,
+        f"upstream_grad: the loss was declared to receive the gradient {declared!r} in its backward "
+        "(its weight gradient, scaled by that, was added into the accumulator in the forward), "
+        "but received another",
+    )

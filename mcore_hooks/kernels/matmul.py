@@ -42,9 +42,10 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None)
     return torch.mm(a.float(), b.float(), out=out)
 
 
-def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with a float32 ``acc``, in one product where cuBLAS can take fp32 C."""
+def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> None:
+    """``acc += alpha * (a @ b)`` with a float32 ``acc``, in one product where cuBLAS can take
+    fp32 C."""
     if _fp32_product(a, "aten::addmm.dtype_out"):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a, b, alpha=alpha, out_dtype=torch.float32, out=acc)
     else:
-        acc.addmm_(a.float(), b.float())
+        acc.addmm_(a.float(), b.float(), alpha=alpha)

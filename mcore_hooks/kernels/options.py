@@ -42,6 +42,9 @@ class KernelParams:
             into (Megatron's ``main_grad``) instead of being returned; None: returned as usual.
         dummy_weight_grad: with an accumulator, return a zero-stride zero tensor as the weight's
             gradient (so the weight's gradient hooks still run) rather than None.
+        upstream_grad: with an accumulator, the gradient a loss's backward will receive, declared
+            in advance: the losses with gradients in the forward then add ``upstream_grad * dW``
+            into the accumulator there, and their backward checks the gradient it gets.
     """
 
     labels: Any
@@ -54,6 +57,7 @@ class KernelParams:
     backend: Any
     weight_grad_accumulator: Optional[Any] = None
     dummy_weight_grad: bool = False
+    upstream_grad: Optional[float] = None
 
     @property
     def n(self) -> int:

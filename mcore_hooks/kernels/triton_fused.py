@@ -384,6 +384,11 @@ class TritonFused(Backend):
     # bytes each): at 16384 x 4096 x 151936 on an H200, dW runs at 91% of the matmul ceiling with
     # 4096-token chunks, 85% with 2048 (benchmarks/profile_h200_ce.log).
     fused_chunk_bytes = 5 << 29
+    # Where dW goes into an accumulator in the forward (a declared upstream gradient) no float32
+    # [V, H] buffer is held and the chunk is most of the memory: 1.5 GiB, 2560-token chunks at
+    # 16384 x 4096 x 151936 (H200: GRPO 106.2 ms / 1444 MiB at 2048 tokens, 100.2 / 2631 at
+    # 4096; benchmarks/RESULTS.md).
+    accumulating_chunk_bytes = 3 << 29
 
     def __init__(self, tiles: Tiles = TILES[0]) -> None:
         self.tiles = tiles

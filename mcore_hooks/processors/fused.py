@@ -29,6 +29,7 @@ from ..kernels import (
     PolicyLoss,
     VocabParallel,
     aggregation_weights,
+    check_upstream_grad_option,
     linear_cross_entropy,
     linear_logprob_entropy,
     linear_policy_loss,
@@ -326,6 +327,15 @@ class LinearCEProcessor(_FusedProcessor):
             logits a chunk); the Triton backend sizes its own tiles.
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
+        upstream_grad: where the output weight's gradient goes into Megatron's ``main_grad``
+            (``gradient_accumulation_fusion``), the gradient the returned (reduced) loss will receive in
+            the backward, declared so that the gradients are formed in the forward (6NHV) rather
+            than recomputed in the backward (8NHV): under Megatron's schedules with bf16,
+            ``1 / num_microbatches`` times whatever the loss function multiplies the loss by
+            (``None`` under fp16 loss scaling, whose scale moves). Checked in the backward on
+            the device: a different gradient stops the process with a device-side assertion.
+            The forward then adds into ``main_grad``: one backward per forward, no recomputed
+            forward. Ignored where the weight's gradient goes to ``.grad``.
     """
 
     def __init__(
@@ -336,11 +346,14 @@ class LinearCEProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
+        upstream_grad: Optional[float] = None,
     ) -> None:
         if reduction not in ("none", "sum", "mean"):
             raise ValueError(f"reduction: expected 'none', 'sum' or 'mean', got {reduction!r}")
         self._set_options(temperature, ignore_index, chunk_size, backend)
+        check_upstream_grad_option(upstream_grad)
         self.reduction = reduction
+        self.upstream_grad = upstream_grad
 
     def process(self, ctx: PostprocessContext) -> torch.Tensor:
         if self.reduction == "none":
@@ -349,7 +362,8 @@ class LinearCEProcessor(_FusedProcessor):
         k = self.kernel_inputs(ctx)
         mode = "token-mean" if self.reduction == "mean" else "token-sum"
         token_weight = aggregation_weights(self.counted(ctx, k), mode, group=_cp_group(ctx))
-        loss = linear_cross_entropy(k.hidden, k.weight, k.labels, token_weight=token_weight, **k.kwargs)
+        loss = linear_cross_entropy(k.hidden, k.weight, k.labels, token_weight=token_weight,
+                                    **_declared(k.kwargs, self.upstream_grad))
         return _whole_value(loss, ctx)
 
 
@@ -389,6 +403,15 @@ class PolicyLossProcessor(_FusedProcessor):
         ignore_index: the label of positions to skip (never a vocabulary id).
         chunk_size: tokens per chunk (None: the backend's default budget).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        upstream_grad: where the output weight's gradient goes into Megatron's ``main_grad``
+            (``gradient_accumulation_fusion``), the gradient the returned loss will receive in
+            the backward, declared so that the gradients are formed in the forward (6NHV) rather
+            than recomputed in the backward (8NHV): under Megatron's schedules with bf16,
+            ``1 / num_microbatches`` times whatever the loss function multiplies the loss by
+            (``None`` under fp16 loss scaling, whose scale moves). Checked in the backward on
+            the device: a different gradient stops the process with a device-side assertion.
+            The forward then adds into ``main_grad``: one backward per forward, no recomputed
+            forward. Ignored where the weight's gradient goes to ``.grad``.
     """
 
     def __init__(
@@ -401,6 +424,7 @@ class PolicyLossProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
+        upstream_grad: Optional[float] = None,
     ) -> None:
         if aggregation not in AGGREGATIONS:
             raise ValueError(
@@ -408,9 +432,11 @@ class PolicyLossProcessor(_FusedProcessor):
             )
         _check_flag("as_tuple", as_tuple)
         self._set_options(temperature, ignore_index, chunk_size, backend)
+        check_upstream_grad_option(upstream_grad)
         self.loss = per_token_loss(PolicyLoss() if loss is None else loss)
         self.aggregation = aggregation
         self.as_tuple = as_tuple
+        self.upstream_grad = upstream_grad
 
     def policy_inputs(self, ctx: PostprocessContext) -> dict:
         """The per-token inputs, float ``[b, s]`` by name: ``output_processor_context``."""
@@ -440,12 +466,20 @@ class PolicyLossProcessor(_FusedProcessor):
                 )
             inputs[name] = t.t().reshape(-1)  # s-major, like the kernel's tokens
         r = linear_policy_loss(k.hidden, k.weight, k.labels, token_weight=token_weight,
-                               loss=self.loss, inputs=inputs, **k.kwargs)
+                               loss=self.loss, inputs=inputs, **_declared(k.kwargs, self.upstream_grad))
         loss = _whole_value(r.loss, ctx)
         logprobs, entropy = self.to_bs(r.logprob, k.bs), self.to_bs(r.entropy, k.bs)
         return (loss, logprobs, entropy) if self.as_tuple else {
             "loss": loss, "logprobs": logprobs, "entropy": entropy
         }
+
+
+def _declared(kwargs: dict, upstream_grad: Optional[float]) -> dict:
+    """The kernel keywords, with the declared upstream gradient where the weight's gradient goes
+    into an accumulator (Megatron's ``main_grad``)."""
+    if upstream_grad is None or "weight_grad_accumulator" not in kwargs:
+        return kwargs
+    return dict(kwargs, upstream_grad=upstream_grad)
 
 
 def _cp_group(ctx: PostprocessContext) -> Any:
