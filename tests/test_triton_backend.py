@@ -197,6 +197,38 @@ def test_triton_adds_the_weight_gradient_into_an_accumulator(dtype, sliced, monk
     assert rel(acc - 1, dw) < GRAD_TOL[dtype] / 8
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_fused_loss_adds_a_declared_upstream_gradient_in_the_forward(dtype):
+    """The policy loss with ``upstream_grad``: ``upstream_grad * dW`` is in the float32
+    accumulator once the forward returns, equal to the weight gradient the loss returns
+    otherwise (to that one's rounding to the input dtype); dX as without."""
+    from mcore_hooks.kernels import PolicyLoss, linear_policy_loss
+
+    n, h, v = (1024, 256, 5003) if ON_GPU else (300, 32, 200)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
+    labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    inputs = {"old_logprobs": (-torch.rand(n, generator=g) * 6).to(DEVICE),
+              "advantages": torch.randn(n, generator=g).to(DEVICE)}
+    tw = torch.full((n,), 1.0 / n, device=DEVICE)
+    cfg = PolicyLoss(clip_high=0.28, entropy_coef=0.01)
+
+    def forward(xr, wr, **kw):
+        return linear_policy_loss(xr, wr, labels, token_weight=tw, loss=cfg, inputs=inputs,
+                                  temperature=0.9, backend="triton", **kw).loss
+
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    (forward(xr, wr) * 0.25).backward()
+    acc = torch.ones(v, h, device=DEVICE)
+    xd, wd = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = forward(xd, wd, weight_grad_accumulator=acc, upstream_grad=0.25)
+    assert rel(acc - 1, wr.grad) < GRAD_TOL[dtype] / 8  # before the backward
+    (loss * 0.25).backward()
+    assert wd.grad is None
+    assert rel(xd.grad, xr.grad) < 1e-6
+
+
 def test_triton_is_deterministic():
     n, h, v = (2048, 256, 5003) if ON_GPU else (40, 32, 130)
     g = torch.Generator().manual_seed(0)
