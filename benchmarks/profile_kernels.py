@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=3, default=[16384, 4096, 151936])
     ap.add_argument("--tma", action="store_true", help="only compare TMA and pointer tile loads")
     ap.add_argument("--ce", action="store_true", help="only the reduced cross-entropy (6NHV) path")
+    ap.add_argument("--ce-chunks", type=int, nargs="+", default=None,
+                    help="only linear_cross_entropy fwd+bwd at these chunk sizes (A B .. B A)")
     ap.add_argument("--splits", action="store_true",
                     help="only the forward grid's vocab splits against the rule they replaced")
     args = ap.parse_args()
@@ -56,6 +58,9 @@ def main() -> None:
 
     if args.tma:
         compare_tma(x, w, coef, label, flop, ceiling)
+        return
+    if args.ce_chunks:
+        compare_ce_chunks(x, w, label, args.ce_chunks, flop, ceiling)
         return
     if args.ce:
         profile_ce(x, w, label, flop, ceiling)
@@ -198,7 +203,7 @@ def profile_ce(x, w, label, flop, ceiling) -> None:
     print("\nreduced cross-entropy fwd+bwd (6NHV floor "
           f"{3 * flop / ceiling / 1e9:.1f} ms): budget -> tokens/chunk, ms, % of ceiling, peak extra MiB")
     base = tf.TritonFused.fused_chunk_bytes
-    for budget in (1 << 30, 3 << 29, 1 << 31, 5 << 29, 3 << 30):
+    for budget in (1 << 30, 3 << 29, 1 << 31, 5 << 29, 3 << 30, 1 << 32, 5 << 30):
         tf.TritonFused.fused_chunk_bytes = budget
         c = _fused_chunk_size(tf.TritonFused(), n, v, x.element_size())
         t, peak = _time_and_peak(run, lambda: setattr(xr, "grad", None) or setattr(wr, "grad", None))
@@ -209,6 +214,26 @@ def profile_ce(x, w, label, flop, ceiling) -> None:
     for c in (2048, 4096):
         _ce_parts(x, w, label, c, flop, ceiling)
         torch.cuda.empty_cache()
+
+
+def compare_ce_chunks(x, w, label, chunks, flop, ceiling) -> None:
+    """linear_cross_entropy fwd+bwd at the given chunk sizes, in order and then reversed (the
+    fastest of the two shown, both in brackets)."""
+    from mcore_hooks.kernels import linear_cross_entropy
+
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    times: dict = {}
+    for c in list(chunks) + list(reversed(chunks)):
+        def run():
+            xr.grad = wr.grad = None
+            linear_cross_entropy(xr, wr, label, backend="triton", chunk_size=c).backward()
+
+        times.setdefault(c, []).append(bench(run))
+    print("\nlinear-CE fwd+bwd by chunk size:")
+    for c, ts in times.items():
+        t = min(ts)
+        print(f"  {c} tokens: {t:.1f} ms ({' / '.join(f'{v:.1f}' for v in ts)}), "
+              f"{3 * flop / t / 1e9 / ceiling:.0%} of 6NHV", flush=True)
 
 
 def _time_and_peak(run, clear) -> tuple[float, float]:
@@ -227,7 +252,6 @@ def _time_and_peak(run, clear) -> tuple[float, float]:
 
 def _ce_parts(x, w, label, c, flop, ceiling) -> None:
     """Each pass of one chunk of ``c`` tokens (logits in half chunks), times the number of chunks."""
-    from mcore_hooks.kernels.autograd import Backend
     from mcore_hooks.kernels.matmul import addmm_f32_, mm_f32
 
     n, h = x.shape
@@ -235,26 +259,25 @@ def _ce_parts(x, w, label, c, flop, ceiling) -> None:
     k = -(-n // c)
     cz = c // 2
     z = torch.empty((cz, v), dtype=torch.float32, device="cuda")
-    dz = torch.empty((c, v), dtype=x.dtype, device="cuda")
+    dz = (torch.randn((c, v), device="cuda") * 1e-3).to(x.dtype)  # never time products on zeros
     coef = torch.ones(cz, device="cuda")
     ll = label[:cz]
     m, log_s = torch.full((cz,), 10.0, device="cuda"), torch.full((cz,), 2.0, device="cuda")
+    dzr = torch.empty((cz, v), dtype=x.dtype, device="cuda")  # row grad's output, apart from dz
     dx32 = torch.empty((c, h), dtype=torch.float32, device="cuda")
     dw32 = torch.zeros((v, h), dtype=torch.float32, device="cuda")
     dwb = torch.zeros((v, h), dtype=x.dtype, device="cuda")
     parts = {
-        "logits mm (fp32 out) + row stats": lambda: Backend.logits_stats(DEFAULT, x[:cz], w, coef, ll, False, z),
         "logits mm (fp32 out)": lambda: mm_f32(x[:cz], w.t(), out=z),
         "row stats": lambda: DEFAULT.row_stats(z, coef, ll, False),
-        "stats kernel storing the logits": lambda: DEFAULT.logits_stats(x[:cz], w, coef, ll, False, z),
-        "row grad": lambda: DEFAULT.row_grad(z, coef, ll, m, log_s, coef, None, None, dz[:cz]),
+        "row grad": lambda: DEFAULT.row_grad(z, coef, ll, m, log_s, coef, None, None, dzr),
         "dX mm (fp32 out)": lambda: mm_f32(dz, w, out=dx32),
         "dW addmm (fp32 acc)": lambda: addmm_f32_(dw32, dz.t(), x[:c]),
         "dW addmm_ (bf16 acc, rounds per chunk)": lambda: dwb.addmm_(dz.t(), x[:c]),
     }
     for name, fn in parts.items():
         t = bench(fn) * k * (2 if ("logits" in name or name.startswith("row")) else 1)
-        share = f", {flop / t / 1e9 / ceiling:.0%}" if "mm" in name or "kernel" in name else ""
+        share = f", {flop / t / 1e9 / ceiling:.0%}" if "mm" in name else ""
         print(f"  chunk {c} x {k}: {name}: {t:.1f} ms{share}", flush=True)
 
 

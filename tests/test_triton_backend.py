@@ -211,7 +211,9 @@ def test_triton_fused_loss_adds_a_declared_upstream_gradient_in_the_forward(dtyp
     labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
     inputs = {"old_logprobs": (-torch.rand(n, generator=g) * 6).to(DEVICE),
               "advantages": torch.randn(n, generator=g).to(DEVICE)}
-    tw = torch.full((n,), 1.0 / n, device=DEVICE)
+    # token-sum weights: with 1 / n the weight gradient falls below fp16's normal range and the
+    # fp16 reference itself loses digits (a GPU run at 1024 tokens compared at 1.1e-2 and 1.2e-2)
+    tw = torch.ones(n, device=DEVICE)
     cfg = PolicyLoss(clip_high=0.28, entropy_coef=0.01)
 
     def forward(xr, wr, **kw):
