@@ -335,8 +335,8 @@ def forward_splits(row_blocks: int, vtiles: int, sms: int) -> int:
     per program: the fewest splits within 2% of the least of that, and at least
     :data:`_MIN_SPLITS` (programs running together then share row blocks and walk the same
     weight tiles). A rule of two programs per SM left a last wave of a few programs at 2048-4096
-    tokens: 4096 x 4096 x 151936 took 9.6 ms with it, 7.3 with this (H200,
-    ``benchmarks/profile_kernels.py --tune``)."""
+    tokens: 4096 x 4096 x 151936 took 9.38 ms with it, 7.75 with this (H200,
+    ``benchmarks/profile_kernels.py --splits``)."""
     top = max(_MIN_SPLITS, 2 * math.ceil(2 * sms / row_blocks))
 
     def cost(s: int) -> int:
@@ -386,8 +386,8 @@ class TritonFused(Backend):
     fused_chunk_bytes = 5 << 29
     # Where dW goes into an accumulator in the forward (a declared upstream gradient) no float32
     # [V, H] buffer is held and the chunk is most of the memory: 1.5 GiB, 2560-token chunks at
-    # 16384 x 4096 x 151936 (H200: GRPO 106.2 ms / 1444 MiB at 2048 tokens, 100.2 / 2631 at
-    # 4096; benchmarks/RESULTS.md).
+    # 16384 x 4096 x 151936 (H200, GRPO: 105.9 ms / 1740 MiB; 106.3 / 1444 at 2048 tokens;
+    # 100.2 / 2631 at 4096 in another run; benchmarks/RESULTS.md).
     accumulating_chunk_bytes = 3 << 29
 
     def __init__(self, tiles: Tiles = TILES[0]) -> None:

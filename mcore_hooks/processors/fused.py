@@ -327,15 +327,9 @@ class LinearCEProcessor(_FusedProcessor):
             logits a chunk); the Triton backend sizes its own tiles.
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
-        upstream_grad: where the output weight's gradient goes into Megatron's ``main_grad``
-            (``gradient_accumulation_fusion``), the gradient the returned (reduced) loss will receive in
-            the backward, declared so that the gradients are formed in the forward (6NHV) rather
-            than recomputed in the backward (8NHV): under Megatron's schedules with bf16,
-            ``1 / num_microbatches`` times whatever the loss function multiplies the loss by
-            (``None`` under fp16 loss scaling, whose scale moves). Checked in the backward on
-            the device: a different gradient stops the process with a device-side assertion.
-            The forward then adds into ``main_grad``: one backward per forward, no recomputed
-            forward. Ignored where the weight's gradient goes to ``.grad``.
+        upstream_grad: the reduced loss's gradient in the backward, declared where the output
+            weight's gradient goes into Megatron's ``main_grad``: as
+            :class:`PolicyLossProcessor`'s.
     """
 
     def __init__(
