@@ -28,12 +28,14 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 
 from . import compat
+from .kernels import PolicyLoss
 from .postprocess import DefaultProcessor, PostprocessContext, hooked_class
 from .processors import (
     EntropyProcessor,
     FusedLogprobProcessor,
     LinearCEProcessor,
     LogprobEntropyProcessor,
+    PolicyLossProcessor,
 )
 from .testing import (
     TinyModelConfig,
@@ -56,6 +58,7 @@ class ProcessorCheck:
     close it must be.
 
     ``tolerance`` is the largest allowed relative error of values and gradients; 0 means bitwise.
+    ``context``: the ``output_processor_context`` the processor takes, made from the batch.
     """
 
     name: str
@@ -63,6 +66,7 @@ class ProcessorCheck:
     reference: Callable[[torch.nn.Module, dict], torch.Tensor]
     with_labels: bool
     tolerance: float = 0.0
+    context: Optional[Callable[[dict], Any]] = None
 
 
 def _stock(model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -97,6 +101,49 @@ def _masked_mean(loss: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tens
 # fp32 tolerance for the fused processors: they sum in a different order than stock.
 _FP32 = 1e-5
 
+# The policy check's loss: every term (clip-higher, dual clip, KL k3, entropy bonus).
+_POLICY = PolicyLoss(clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.05, kl_type="k3",
+                     entropy_coef=0.01)
+
+
+class _PolicyLossValue(PolicyLossProcessor):
+    """``PolicyLossProcessor``'s loss alone (its log-probs and entropies are detached metrics)."""
+
+    def process(self, ctx: PostprocessContext) -> torch.Tensor:
+        return super().process(ctx)["loss"]
+
+
+def _policy_inputs(batch: dict) -> dict:
+    """The policy check's per-token inputs, ``[b, s]`` like the labels and fixed by their shape:
+    old log-probs about the tiny model's (ratios on both sides of the clip range), advantages of
+    both signs, reference log-probs for the KL term."""
+    labels = batch["labels"]
+    g = torch.Generator().manual_seed(1234)
+    uniform = -math.log(TinyModelConfig.vocab_size)
+    inputs = {
+        "old_logprobs": uniform + 0.3 * torch.randn(labels.shape, generator=g),
+        "advantages": torch.randn(labels.shape, generator=g),
+        "ref_logprobs": uniform + 0.3 * torch.randn(labels.shape, generator=g),
+    }
+    return {k: v.to(labels.device) for k, v in inputs.items()}
+
+
+def _policy_value(logprob: torch.Tensor, entropy: torch.Tensor, mask: Optional[torch.Tensor],
+                  inputs: dict) -> torch.Tensor:
+    """The token-mean policy loss from ``[b, s]`` log-probs and entropies (any float dtype)."""
+    terms = _POLICY(logprob, entropy, **{k: v.to(logprob.dtype) for k, v in inputs.items()})
+    w = torch.ones_like(terms) if mask is None else mask.to(terms.dtype)
+    return (terms * w).sum() / w.sum().clamp(min=1)
+
+
+def _stock_policy(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The stock RL path: gathered logits, a float64 log-softmax, the loss in torch."""
+    kwargs = {k: v for k, v in batch.items() if k not in ("labels", "loss_mask")}
+    logp = torch.log_softmax(model(**kwargs, runtime_gather_output=True).double(), dim=-1)
+    lp = logp.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return _policy_value(lp, ent, batch.get("loss_mask"), _policy_inputs(batch)).float()
+
 PROCESSOR_CHECKS: tuple[ProcessorCheck, ...] = (
     ProcessorCheck("hook off (None), loss", lambda: None, _stock, with_labels=True),
     ProcessorCheck("DefaultProcessor, loss", DefaultProcessor, _stock, with_labels=True),
@@ -115,6 +162,10 @@ PROCESSOR_CHECKS: tuple[ProcessorCheck, ...] = (
     ProcessorCheck(
         "LinearCEProcessor, mean", lambda: LinearCEProcessor(reduction="mean"),
         lambda m, b: _masked_mean(m(**b), b.get("loss_mask")), True, _FP32,
+    ),
+    ProcessorCheck(
+        "PolicyLossProcessor", lambda: _PolicyLossValue(loss=_POLICY), _stock_policy, True, _FP32,
+        context=_policy_inputs,
     ),
 )
 
@@ -136,6 +187,7 @@ class PrecisionCheck:
     make: Callable[[], Callable[..., Any]]
     stock: Callable[[PostprocessContext], torch.Tensor]
     exact: Callable[[torch.Tensor, PostprocessContext], torch.Tensor]
+    context: Optional[Callable[[dict], Any]] = None
 
 
 def _stock_logits(ctx: PostprocessContext, gather: bool) -> torch.Tensor:
@@ -166,6 +218,16 @@ def _mask(ctx: PostprocessContext) -> Optional[torch.Tensor]:
     return None if ctx.loss_mask is None else ctx.loss_mask.to(torch.float64)
 
 
+def _stock_policy_bs(ctx: PostprocessContext) -> torch.Tensor:
+    logp = torch.log_softmax(_stock_logits(ctx, gather=True).float(), dim=-1)  # [s, b, V]
+    lp = logp.gather(-1, ctx.labels.t().unsqueeze(-1)).squeeze(-1).t()
+    return _policy_value(lp, -(logp.exp() * logp).sum(-1).t(), ctx.loss_mask, ctx.context)
+
+
+def _exact_policy(logp: torch.Tensor, ctx: PostprocessContext) -> torch.Tensor:
+    return _policy_value(_exact_logprob(logp, ctx), _exact_entropy(logp, ctx), _mask(ctx), ctx.context)
+
+
 PRECISION_CHECKS: tuple[PrecisionCheck, ...] = (
     PrecisionCheck("FusedLogprobProcessor", FusedLogprobProcessor, _stock_logprob_bs, _exact_logprob),
     PrecisionCheck("EntropyProcessor", EntropyProcessor, _stock_entropy_bs, _exact_entropy),
@@ -187,6 +249,10 @@ PRECISION_CHECKS: tuple[PrecisionCheck, ...] = (
         "LinearCEProcessor, mean", lambda: LinearCEProcessor(reduction="mean"),
         lambda c: _masked_mean(-_stock_logprob_bs(c), c.loss_mask),
         lambda p, c: _masked_mean(-_exact_logprob(p, c), _mask(c)),
+    ),
+    PrecisionCheck(
+        "PolicyLossProcessor", lambda: _PolicyLossValue(loss=_POLICY), _stock_policy_bs, _exact_policy,
+        context=_policy_inputs,
     ),
 )
 
@@ -268,7 +334,8 @@ def _precision_errors(check: PrecisionCheck, model: torch.nn.Module, batch: dict
     the hidden states and the output weight: ((ours value, stock value), (ours grad, stock grad))
     as norm-wise relative errors, plus the processor's max absolute value error."""
     cap = _Capture(check.make())
-    through_hook = _as_tensor(model(**batch, output_processor=cap)).detach()
+    extra = {} if check.context is None else {"output_processor_context": check.context(batch)}
+    through_hook = _as_tensor(model(**batch, output_processor=cap, **extra)).detach()
     # Gradients of the hook's inputs: the same call on the same keywords, with the hidden states
     # and the output weight as leaves (a tied weight's path through the embedding is left out).
     leaves = PostprocessContext.from_kwargs(cap.kwargs)
@@ -368,9 +435,10 @@ def _stock_checks(checks, device, model_class) -> list[CheckResult]:
             batch = tiny_batch(cfg, packed=packed, with_labels=check.with_labels, seed=i)
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
             processor = check.make()
+            extra = {} if check.context is None else {"output_processor_context": check.context(batch)}
             ref, ref_grads = _run(stock, lambda: check.reference(stock, batch), seed=i)
             got, got_grads = _run(
-                hooked, lambda: hooked(**batch, output_processor=processor), seed=i
+                hooked, lambda: hooked(**batch, output_processor=processor, **extra), seed=i
             )
             v_abs, v_rel = _errors(got, ref)
             g_abs = g_rel = 0.0
