@@ -432,19 +432,26 @@ def test_vocab_parallel_matches_unsplit():
 # --------------------------------------------------------------------------- main_grad
 
 
+def _accumulator_problem(seed: int):
+    """A small problem (30 tokens, one ignored) with policy inputs and token weights."""
+    g = torch.Generator().manual_seed(seed)
+    n, hidden, vocab = 30, 8, 53
+    x, w = torch.randn(n, hidden, generator=g), torch.randn(vocab, hidden, generator=g) / 3
+    labels = torch.randint(0, vocab, (n,), generator=g)
+    labels[4] = -100
+    inputs = {"old_logprobs": -torch.rand(n, generator=g) * 5, "advantages": torch.randn(n, generator=g)}
+    return x, w, labels, inputs, torch.rand(n, generator=g)
+
+
 @pytest.mark.parametrize("entry", ["logprob", "cross_entropy", "policy"])
 def test_weight_gradient_into_an_fp32_accumulator(entry):
     """With ``weight_grad_accumulator`` the weight's gradient (scaled by the upstream gradient)
     is added into it and the weight gets none (or a zero placeholder); dX is unchanged."""
     from mcore_hooks.kernels import linear_cross_entropy
 
-    g = torch.Generator().manual_seed(6)
-    n, hidden, vocab = 30, 8, 53
-    x, w = torch.randn(n, hidden, generator=g), torch.randn(vocab, hidden, generator=g) / 3
-    labels = torch.randint(0, vocab, (n,), generator=g)
-    labels[4] = -100
-    inputs = {"old_logprobs": -torch.rand(n, generator=g) * 5, "advantages": torch.randn(n, generator=g)}
-    tw = torch.rand(n, generator=g)
+    x, w, labels, inputs, tw = _accumulator_problem(6)
+    vocab, hidden = w.shape
+    g = torch.Generator().manual_seed(9)
     cfg = PolicyLoss(entropy_coef=0.01)
 
     def run(**kw):
@@ -483,13 +490,9 @@ def test_a_declared_upstream_gradient_adds_into_the_accumulator_in_the_forward(e
     backward leaves it alone, gives dX as without, and rejects another upstream gradient."""
     from mcore_hooks.kernels import linear_cross_entropy
 
-    g = torch.Generator().manual_seed(7)
-    n, hidden, vocab = 30, 8, 53
-    x, w = torch.randn(n, hidden, generator=g), torch.randn(vocab, hidden, generator=g) / 3
-    labels = torch.randint(0, vocab, (n,), generator=g)
-    labels[4] = -100
-    inputs = {"old_logprobs": -torch.rand(n, generator=g) * 5, "advantages": torch.randn(n, generator=g)}
-    tw = torch.rand(n, generator=g)
+    x, w, labels, inputs, tw = _accumulator_problem(7)
+    vocab, hidden = w.shape
+    g = torch.Generator().manual_seed(8)
     up = -0.37
 
     def forward(xr, wr, **kw):
