@@ -30,7 +30,8 @@ The same inputs (``labels=input_ids``) and output (``[B, S-1]``) as the patch, p
   ``2 cp - 1 - r`` of ``2 cp`` along the sequence, as NeMo RL shards ``input_ids``): the next
   tokens come from the whole sequence, and the output is the whole ``[B, S-1]`` on every CP rank,
   gathered as NeMo RL's ``AllGatherCPTensor`` gathers it (its backward all-reduces the gradient
-  over the CP group and keeps this rank's chunks). Not with packed batches;
+  over the CP group and keeps this rank's chunks); with packed batches, each packed sequence is
+  laid out that way (NeMo RL requires packing whenever CP > 1);
 * multi-token prediction: its loss with the fused kernel too (:mod:`mcore_hooks.mtp`).
 
 NeMo RL itself is not needed to import this module.
@@ -46,7 +47,7 @@ import torch.distributed as dist
 from .. import compat
 from ..postprocess import PostprocessContext
 from ..processors.fused import _FusedProcessor
-from ..processors.labels import labels_from_input_ids
+from ..processors.labels import cp_global_positions, labels_from_input_ids
 
 __all__ = ["NemoRLLogprobProcessor"]
 
@@ -83,55 +84,56 @@ class NemoRLLogprobProcessor(_FusedProcessor):
             raise ValueError("labels: NeMo RL passes labels=input_ids; neither was given")
         if ctx.cp_size == 1:
             return labels_from_input_ids(ids, self.ignore_index, ctx.packed_seq_params)
-        if ctx.packed_seq_params is not None:
-            raise NotImplementedError(
-                "NemoRLLogprobProcessor: packed sequences under context parallelism (each "
-                "sequence's own CP layout) are not supported; NeMo RL's fused path has neither"
-            )
-        full = _cp_gather(ids, ctx.cp_group)
-        return _cp_local(labels_from_input_ids(full, self.ignore_index), ctx.cp_group)
+        layout = _CPLayout(ctx, ids.shape[-1], ids.device)
+        full = labels_from_input_ids(layout.gather(ids), self.ignore_index, ctx.packed_seq_params)
+        return layout.local(full)
 
     def process(self, ctx: PostprocessContext) -> torch.Tensor:
         r, bs, _ = self.compute(ctx)
         logprobs = self.to_bs(r.logprob, bs)  # [B, S_local]
         if ctx.cp_size > 1:
-            logprobs = _GatherCP.apply(logprobs, ctx.cp_group)
+            logprobs = _GatherCP.apply(logprobs, _CPLayout(ctx, bs[1], logprobs.device))
         return logprobs[:, :-1]
 
 
-def _cp_order(cp: int) -> list[int]:
-    """The sequence chunks the CP ranks hold, in rank order: ``0, 2cp-1, 1, 2cp-2, ...``."""
-    return [c for r in range(cp) for c in (r, 2 * cp - 1 - r)]
+class _CPLayout:
+    """This CP rank's tokens within the whole sequence (Megatron's load-balanced layout, per
+    packed sequence for THD input: :func:`~mcore_hooks.processors.labels.cp_global_positions`),
+    to gather ``[B, S_local]`` shards into the whole ``[B, S]`` and take this rank's part back."""
 
+    def __init__(self, ctx: PostprocessContext, local_len: int, device: torch.device) -> None:
+        self.group = ctx.cp_group
+        self.rank, self.size = compat.group_rank_size(ctx.cp_group)
+        self.positions = [
+            cp_global_positions(local_len, r, self.size, ctx.packed_seq_params, device)
+            for r in range(self.size)
+        ]
 
-def _cp_gather(local: torch.Tensor, group: Any) -> torch.Tensor:
-    """``[B, S_local]`` CP shards (load-balanced layout) -> the whole ``[B, S]`` on every rank."""
-    cp = compat.group_rank_size(group)[1]
-    parts = [torch.empty_like(local) for _ in range(cp)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    chunks = [c for part in parts for c in part.chunk(2, dim=1)]
-    ordered = sorted(zip(_cp_order(cp), chunks), key=lambda pair: pair[0])
-    return torch.cat([c for _, c in ordered], dim=1)
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """``[B, S_local]`` shards -> the whole ``[B, S]`` on every rank."""
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        full = local.new_empty(local.shape[:-1] + (local.shape[-1] * self.size,))
+        for pos, part in zip(self.positions, parts):
+            full[..., pos] = part
+        return full
 
-
-def _cp_local(full: torch.Tensor, group: Any) -> torch.Tensor:
-    """The whole ``[B, S]`` -> this rank's ``[B, S_local]`` (chunks ``r`` and ``2cp - 1 - r``)."""
-    rank, cp = compat.group_rank_size(group)
-    chunks = full.chunk(2 * cp, dim=1)
-    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1)
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """The whole ``[B, S]`` -> this rank's ``[B, S_local]``."""
+        return full[..., self.positions[self.rank]]
 
 
 class _GatherCP(torch.autograd.Function):
-    """:func:`_cp_gather` with NeMo RL's gradient: all-reduced over the CP group (every rank's
-    loss reads the whole sequence), then this rank's chunks."""
+    """:meth:`_CPLayout.gather` with NeMo RL's gradient: all-reduced over the CP group (every
+    rank's loss reads the whole sequence), then this rank's part."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _cp_gather(local, group)
+    def forward(ctx: Any, local: torch.Tensor, layout: _CPLayout) -> torch.Tensor:
+        ctx.layout = layout
+        return layout.gather(local)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return _cp_local(grad, ctx.group), None
+        dist.all_reduce(grad, group=ctx.layout.group)
+        return ctx.layout.local(grad), None

@@ -158,7 +158,8 @@ class _FusedProcessor(PostprocessProcessor):
                 )
             flat_labels = labels.t().reshape(-1)  # [s*b], s-major like the hidden states
         kwargs = dict(
-            temperature=per_token_temperature(self.temperature_for(ctx), b, s, ctx.packed_seq_params),
+            temperature=per_token_temperature(self.temperature_for(ctx), b, s, ctx.packed_seq_params,
+                                              ctx.cp_size),
             logit_scale=ctx.logit_scale(),
             ignore_index=self.ignore_index,
             parallel=VocabParallel(ctx.tp_group, ctx.vocab_start, ctx.sequence_parallel),
@@ -446,7 +447,7 @@ class PolicyLossProcessor(_FusedProcessor):
     def process(self, ctx: PostprocessContext) -> Union[dict, tuple]:
         k = self.kernel_inputs(ctx)
         b, s = k.bs
-        seq, num_sequences = sequence_index(b, s, ctx.packed_seq_params, k.hidden.device)
+        seq, num_sequences = sequence_index(b, s, ctx.packed_seq_params, k.hidden.device, ctx.cp_size)
         token_weight = aggregation_weights(
             self.counted(ctx, k), self.aggregation, sequence_ids=seq.t().reshape(-1),
             num_sequences=num_sequences, group=_cp_group(ctx),

@@ -3,6 +3,14 @@
 Everything here stays on the device: no value is read on the host (no synchronisation), so the
 per-sequence work of packed batches is done with masks and ``bucketize`` rather than indexing by
 boundary values.
+
+Context parallelism: Megatron keeps ``cu_seqlens(_padded)`` *global* while each CP rank holds
+``1 / cp`` of every (padded) sequence: the sequence is cut into ``2 cp`` equal chunks and rank
+``r`` holds chunks ``r`` and ``2 cp - 1 - r``, one after the other (its load-balanced layout,
+``get_batch_on_this_cp_rank`` / TE's ``thd_get_partitioned_indices``; Megatron's own
+``_roll_tensor_packed_seq`` divides the offsets by ``cp`` the same way). So this rank's
+sequence ``i`` starts at ``offsets[i] / cp`` of its local tokens. A ``[b, s]`` batch is the same
+layout with one sequence per row.
 """
 
 from __future__ import annotations
@@ -12,21 +20,42 @@ from typing import Any, Optional, Union
 import torch
 
 
-def _packed_layout(packed_seq_params: Any, device: torch.device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """``(offsets, real_ends)`` of the packed sequences in a THD batch, as ``[n + 1]`` and ``[n]``
-    long tensors: sequence ``i`` occupies positions ``[offsets[i], offsets[i + 1])`` (padding
-    included, ``cu_seqlens_q_padded`` when given) and its tokens end at ``real_ends[i]``."""
+def _packed_offsets(packed_seq_params: Any, device: torch.device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Global ``(offsets, lengths)`` of the packed sequences of a THD batch (None otherwise):
+    sequence ``i`` occupies global positions ``[offsets[i], offsets[i + 1])``, padding included
+    (``cu_seqlens_q_padded`` when given), and has ``lengths[i]`` real tokens."""
     if packed_seq_params is None or getattr(packed_seq_params, "qkv_format", None) != "thd":
         return None
     cu = packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.long)
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
     offsets = cu if padded is None else padded.to(device=device, dtype=torch.long)
-    return offsets, offsets[:-1] + (cu[1:] - cu[:-1])
+    return offsets, cu[1:] - cu[:-1]
 
 
 def _sequence_of(pos: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """The packed sequence each position belongs to (the last one for trailing padding)."""
     return torch.bucketize(pos, offsets[1:], right=True).clamp(max=offsets.shape[0] - 2)
+
+
+def cp_global_positions(
+    local_len: int, cp_rank: int, cp_size: int, packed_seq_params: Any, device: torch.device
+) -> torch.Tensor:
+    """The global position of each of this CP rank's ``local_len`` tokens along the sequence
+    dimension (``[local_len]`` long), in Megatron's load-balanced layout (module docstring): per
+    packed sequence for THD input, else for the whole row."""
+    local = torch.arange(local_len, device=device)
+    if cp_size == 1:
+        return local
+    found = _packed_offsets(packed_seq_params, device)
+    offsets = (found[0] if found is not None
+               else torch.tensor([0, local_len * cp_size], device=device, dtype=torch.long))
+    local_offsets = offsets // cp_size
+    seq = _sequence_of(local, local_offsets)
+    chunk = (offsets[1:] - offsets[:-1])[seq] // (2 * cp_size)  # each sequence's chunk length
+    q = local - local_offsets[seq]
+    second = q >= chunk  # this rank's second chunk of the sequence: 2 cp - 1 - r
+    k = torch.where(second, 2 * cp_size - 1 - cp_rank, cp_rank)
+    return offsets[seq] + k * chunk + torch.where(second, q - chunk, q)
 
 
 def labels_from_input_ids(
@@ -37,54 +66,58 @@ def labels_from_input_ids(
     For packed THD input (``input_ids`` ``[1, T]`` holding several sequences) the roll is per
     sequence, by ``packed_seq_params`` (``cu_seqlens_q``, and ``cu_seqlens_q_padded`` where the
     sequences are padded), so no label crosses a sequence boundary; each sequence's last token and
-    any padding are ignored.
+    any padding are ignored. ``input_ids`` is the whole sequence (not a CP shard).
     """
     labels = torch.roll(input_ids, shifts=-1, dims=-1)
-    layout = _packed_layout(packed_seq_params, input_ids.device)
-    if layout is None:
+    found = _packed_offsets(packed_seq_params, input_ids.device)
+    if found is None:
         labels[..., -1] = ignore_index
         return labels
-    offsets, real_ends = layout
+    offsets, lengths = found
     pos = torch.arange(input_ids.shape[-1], device=input_ids.device)
-    has_next = (pos + 1 < real_ends[_sequence_of(pos, offsets)]) & (pos < offsets[-1])
+    seq = _sequence_of(pos, offsets)
+    has_next = (pos + 1 < offsets[seq] + lengths[seq]) & (pos < offsets[-1])
     return torch.where(has_next, labels, ignore_index)
 
 
 def per_token_temperature(
-    temperature: Union[float, torch.Tensor], batch: int, seq: int, packed_seq_params: Any = None
+    temperature: Union[float, torch.Tensor], batch: int, seq: int, packed_seq_params: Any = None,
+    cp_size: int = 1,
 ) -> Union[float, torch.Tensor]:
     """A float, or ``[b]`` per-sample temperatures as one per token in ``[s, b]`` order.
 
     For packed THD input a sample is a packed sequence: ``[num_sequences]`` temperatures are
     spread over each sequence's positions (padding included, the trailing padding taking the last
-    sequence's: those positions carry no label).
+    sequence's: those positions carry no label). ``seq`` is this rank's token count (CP-local).
     """
     if not isinstance(temperature, torch.Tensor):
         return temperature
     if temperature.dim() != 1:
         raise ValueError(f"temperature: expected a float or a 1-D tensor, got shape {tuple(temperature.shape)}")
-    layout = _packed_layout(packed_seq_params, temperature.device)
-    if layout is not None and batch == 1:
-        offsets = layout[0]
-        num_sequences = offsets.shape[0] - 1
+    if _packed_offsets(packed_seq_params, temperature.device) is not None and batch == 1:
+        ids, num_sequences = sequence_index(batch, seq, packed_seq_params, temperature.device, cp_size)
         if temperature.shape[0] != num_sequences:
             raise ValueError(
                 f"temperature: expected one per packed sequence ({num_sequences}), got "
                 f"{temperature.shape[0]}"
             )
-        return temperature[_sequence_of(torch.arange(seq, device=temperature.device), offsets)]
+        return temperature[ids.view(-1)]
     if temperature.shape[0] != batch:
         raise ValueError(f"temperature: expected one per sample ({batch}), got {temperature.shape[0]}")
     return temperature.unsqueeze(0).expand(seq, batch).reshape(-1)
 
 
-def sequence_index(batch: int, seq: int, packed_seq_params: Any, device: torch.device) -> tuple[torch.Tensor, int]:
+def sequence_index(
+    batch: int, seq: int, packed_seq_params: Any, device: torch.device, cp_size: int = 1
+) -> tuple[torch.Tensor, int]:
     """The sequence of each ``[b, s]`` position and how many sequences there are: the batch row,
     or for packed THD input (``b == 1``) the packed sequence (trailing padding taking the last).
-    The count is a shape, never a device value read on the host."""
-    layout = _packed_layout(packed_seq_params, device)
-    if layout is not None and batch == 1:
-        offsets = layout[0]
+    ``s`` is this rank's token count: under context parallelism each rank holds ``1 / cp`` of
+    every padded sequence, so its local offsets are the global ones over ``cp``. The count is a
+    shape, never a device value read on the host."""
+    found = _packed_offsets(packed_seq_params, device)
+    if found is not None and batch == 1:
+        offsets = found[0] // cp_size
         pos = torch.arange(seq, device=device)
         return _sequence_of(pos, offsets).unsqueeze(0), offsets.shape[0] - 1
     rows = torch.arange(batch, device=device).unsqueeze(1).expand(batch, seq)

@@ -37,6 +37,7 @@ def hook_keywords(
     input_ids: Optional[torch.Tensor] = None,
     cp_group: Any = None,
     context: Any = None,
+    packed_seq_params: Any = None,
 ) -> dict:
     """The 16 keywords an ``output_processor`` gets, for a model whose output layer is
     ``output_layer`` (no MuP scaling, untied) and whose context-parallel group is ``cp_group``
@@ -50,6 +51,8 @@ def hook_keywords(
         input_ids: ``[b, s]``, or None.
         cp_group: the context-parallel group, or None.
         context: the ``output_processor_context``.
+        packed_seq_params: Megatron's ``PackedSeqParams`` of a packed THD batch (global
+            ``cu_seqlens`` under CP, as Megatron keeps them), or None.
 
     Returns:
         The keywords, in upstream's order.
@@ -58,7 +61,7 @@ def hook_keywords(
     return dict(
         hidden_states=hidden_states, output_layer=output_layer, output_weight=None, labels=labels,
         loss_mask=loss_mask, input_ids=input_ids, position_ids=None, attention_mask=None,
-        decoder_input=None, inference_context=None, packed_seq_params=None,
+        decoder_input=None, inference_context=None, packed_seq_params=packed_seq_params,
         runtime_gather_output=None, context=context,
         compute_language_model_loss=model.compute_language_model_loss,
         scale_logits=lambda logits: logits,
