@@ -384,10 +384,28 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
                 "upstream_grad: declares the gradient that goes into weight_grad_accumulator in "
                 "the forward; without an accumulator leave it None"
             )
+        check_not_recomputed()
         upstream_grad = float(upstream_grad)
     group = parallel.group if tp > 1 else None
     return KernelParams(gl, valid, coef, int(parallel.vocab_start), group, sp, chunk_size, backend_impl,
                         accumulator, dummy_weight_grad, upstream_grad)
+
+
+def check_not_recomputed() -> None:
+    """``upstream_grad`` adds into the accumulator in the forward, so the forward must run exactly
+    once per backward. Refuse where it may run again: inside an activation-checkpointed region
+    (its saved-tensor hooks are active, and the backward re-runs the region) or in a backward
+    pass (a recomputation). Without ``upstream_grad`` the gradient is added in the backward,
+    which runs once, so that mode stays exact there."""
+    hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    if hooked or torch._C._current_graph_task_id() != -1:
+        raise ValueError(
+            "upstream_grad: the loss is computed "
+            + ("under saved-tensor hooks (an activation-checkpointed region, whose forward the "
+               "backward runs again)" if hooked else "inside a backward pass (a recomputation)")
+            + ", so its weight gradient would be added into the accumulator more than once; "
+            "leave upstream_grad None there (the gradient is then added in the backward, once)"
+        )
 
 
 def check_upstream_grad_option(upstream_grad: Any) -> None:

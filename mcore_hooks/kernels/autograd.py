@@ -63,12 +63,19 @@ class TokenLoss(Protocol):
     ) -> torch.Tensor: ...
 
 
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def term_grads(
     token_loss: TokenLoss, rows: slice, logprob: torch.Tensor, entropy: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """A chunk's terms (detached) and their derivatives in the log-prob and the entropy (None
     where the terms do not depend on the entropy)."""
-    with torch.enable_grad():
+    # The derivatives are taken here, inside the forward: saved-tensor hooks of an enclosing
+    # region (a non-reentrant activation checkpoint packs every saved tensor, and unpacking one
+    # re-runs the whole region) must not see this private graph, so pass-through hooks shield it.
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
         lp = logprob.detach().requires_grad_()
         ent = entropy.detach().requires_grad_() if entropy is not None else None
         t = token_loss.terms(rows, lp, ent)
