@@ -11,8 +11,9 @@ version strings. What lives here:
   processor can take them;
 * which output-layer calls are multi-token-prediction depths (:class:`MTPCalls`);
 * :class:`BackportHookMixin`, which delivers that exact call on classes without the hook (in
-  ``forward`` and ``build_schedule_plan``), and :class:`NativeMTPHookMixin`, which adds the MTP
-  loss hook (:mod:`mcore_hooks.mtp`) to a native class's instance with MTP on.
+  ``forward`` and ``build_schedule_plan``), and :class:`NativeHookMixin`, which passes a native
+  class's calls through, adding the MTP loss hook (:mod:`mcore_hooks.mtp`) with MTP on and a
+  plan post-process backward that tolerates outputs the loss did not use.
 
 How the backport works, and why this way: the stock ``forward`` of every supported class ends by
 calling ``self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=...)`` and
@@ -107,7 +108,7 @@ def forward_accepts(cls: type, keyword: str) -> bool:
 def has_native_hook(cls: type) -> bool:
     """Whether stock ``cls.forward`` already takes upstream's ``output_processor`` keyword."""
     return (
-        not issubclass(cls, (BackportHookMixin, NativeMTPHookMixin))
+        not issubclass(cls, (BackportHookMixin, NativeHookMixin))
         and forward_accepts(cls, "output_processor")
     )
 
@@ -694,31 +695,48 @@ def no_schedule_plan_reason(cls: type) -> str:
     )
 
 
-class NativeMTPHookMixin:
-    """For a class with upstream's hook (0.18+ GPTModel) and an instance with MTP on: the
-    processor's ``mtp_loss`` (:mod:`mcore_hooks.mtp`) computes the MTP depths' loss, in
-    ``forward`` and in ``build_schedule_plan``'s post-process node. Everything else is the
-    native call, passed through unchanged."""
+class NativeHookMixin:
+    """For a class with upstream's hook (0.18+ GPTModel): ``forward`` and
+    ``build_schedule_plan`` are upstream's calls, passed through, with two additions where
+    upstream falls short: with MTP on (and a ``process_mtp_loss`` without a per-depth callable)
+    the processor's ``mtp_loss`` (:mod:`mcore_hooks.mtp`) computes the depths' loss; and the
+    plan's post-process node backpropagates only the outputs the loss function used
+    (:func:`mcore_hooks.schedule_plan.attach_native`), where upstream's crashes on a detached
+    or unused element of a tuple result."""
 
     def forward(self, *args: Any, output_processor: Optional[Callable[..., Any]] = None,
                 output_processor_context: Optional[Any] = None, **kwargs: Any) -> Any:
         from .mtp import mtp_loss_hook, mtp_loss_of
 
         native = super().forward  # type: ignore[misc]
+        if output_processor is not None:
+            check_output_processor(output_processor)
         model: Any = self
-        with MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss_of(output_processor), calls):
+        with MTPCalls(model) as calls, mtp_loss_hook(model, native_mtp_loss(model, output_processor), calls):
             return native(*args, output_processor=output_processor,
                           output_processor_context=output_processor_context, **kwargs)
 
     def build_schedule_plan(self, *args: Any, output_processor: Optional[Callable[..., Any]] = None,
                             output_processor_context: Optional[Any] = None, **kwargs: Any) -> Any:
-        from .schedule_plan import attach_mtp_loss
+        from .schedule_plan import attach_native
 
+        if output_processor is not None:
+            check_output_processor(output_processor)
         plan = super().build_schedule_plan(  # type: ignore[misc]
             *args, output_processor=output_processor,
             output_processor_context=output_processor_context, **kwargs
         )
-        return attach_mtp_loss(self, plan, output_processor)
+        return attach_native(self, plan, output_processor)
+
+
+def native_mtp_loss(model: Any, output_processor: Any) -> Any:
+    """The processor's MTP loss where the native class needs the stand-ins for it (MTP on, and a
+    ``process_mtp_loss`` that takes no per-depth callable); None otherwise."""
+    from .mtp import mtp_loss_of
+
+    if output_processor is None or not mtp_enabled(model) or native_mtp_loss_fn():
+        return None
+    return mtp_loss_of(output_processor)
 
 
 def _hooked_subclass(mixin: type, cls: type) -> type:
@@ -732,9 +750,9 @@ def _hooked_subclass(mixin: type, cls: type) -> type:
 
 
 @functools.lru_cache(maxsize=None)
-def native_mtp_class(cls: type) -> type:
-    """``cls`` (with upstream's hook) with :class:`NativeMTPHookMixin` in front, once per ``cls``."""
-    return _hooked_subclass(NativeMTPHookMixin, cls)
+def native_class(cls: type) -> type:
+    """``cls`` (with upstream's hook) with :class:`NativeHookMixin` in front, once per ``cls``."""
+    return _hooked_subclass(NativeHookMixin, cls)
 
 
 @functools.lru_cache(maxsize=None)

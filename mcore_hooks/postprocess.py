@@ -246,9 +246,11 @@ def hooked_class(cls: type) -> type:
         cls: GPTModel, HybridModel or MambaModel, or a subclass of one.
 
     Returns:
-        ``cls`` itself where it already has upstream's hook (GPTModel on Megatron Core >= 0.18),
-        otherwise a subclass adding it (and ``build_schedule_plan``'s), with the same
-        constructor and state dict.
+        A subclass with the same constructor and state dict: where ``cls`` already has
+        upstream's hook (GPTModel on Megatron Core >= 0.18), one that passes the native calls
+        through, adding only the MTP loss hook and a plan post-process backward that tolerates
+        tuple outputs the loss did not use; otherwise one adding the hook (in ``forward`` and
+        ``build_schedule_plan``).
 
     Raises:
         TypeError: ``cls`` is not a supported language-model class.
@@ -256,8 +258,10 @@ def hooked_class(cls: type) -> type:
     if not compat.is_language_model_class(cls):
         names = ", ".join(compat.language_model_classes())
         raise TypeError(f"cls: expected a subclass of {names}, got {cls!r}")
-    if compat.has_native_hook(cls) or issubclass(cls, (compat.BackportHookMixin, compat.NativeMTPHookMixin)):
+    if issubclass(cls, (compat.BackportHookMixin, compat.NativeHookMixin)):
         return cls
+    if compat.has_native_hook(cls):
+        return compat.native_class(cls)
     return compat.backport_class(cls)
 
 
@@ -283,10 +287,11 @@ def enable_output_processor(model: ModelT) -> ModelT:
     """Make ``model.forward(..., output_processor=...)`` work on the installed Megatron Core.
 
     ``model`` is a GPTModel, HybridModel or MambaModel (or subclass), possibly inside DDP /
-    Float16Module wrappers, or a list of such model chunks (virtual pipeline). Where the class
-    already has the hook nothing changes, unless the instance has multi-token prediction on: then
-    it gets the MTP loss hook (:mod:`mcore_hooks.mtp`) over the native call. Otherwise only this
-    instance's class is switched to :func:`hooked_class` (never a global patch). Idempotent.
+    Float16Module wrappers, or a list of such model chunks (virtual pipeline). Only this
+    instance's class is switched, to :func:`hooked_class` (never a global patch). Where the class
+    already has the hook its calls pass through unchanged, with the MTP loss hook
+    (:mod:`mcore_hooks.mtp`) when multi-token prediction is on, and a schedule-plan post-process
+    backward that takes only the outputs the loss used. Idempotent.
 
     Args:
         model: the model, a wrapper around it, or a list of model chunks.
@@ -303,8 +308,6 @@ def enable_output_processor(model: ModelT) -> ModelT:
         return model
     inner = compat.unwrap_model(model)
     target = hooked_class(type(inner))
-    if compat.has_native_hook(target) and compat.mtp_enabled(inner) and not compat.native_mtp_loss_fn():
-        target = compat.native_mtp_class(target)  # upstream's hook, plus the MTP loss hook
     if target is not type(inner):
         inner.__class__ = target
     return model

@@ -23,8 +23,9 @@ processor into the one plan it returns. Upstream facts the seam respects:
 
 Under the plan the scheduler calls ``make_viewless`` on the result, casts fp16/bf16 to fp32
 recursing into tuples only, and calls ``loss_func(*outputs)``: a result must be a tensor or a
-tuple of tensors. :func:`check_plan_result` says so with a TypeError instead of a crash deep in
-the scheduler.
+tuple of tensors (or None entries). :func:`check_plan_result` says so with a TypeError instead of
+a crash deep in the scheduler. Its backward gives the outputs the loss did not use no gradient,
+and upstream's node then fails; :func:`post_process_backward` replaces it on that one node.
 """
 
 from __future__ import annotations
@@ -35,14 +36,17 @@ import torch
 
 from . import compat
 
-__all__ = ["attach_processor", "attach_mtp_loss", "check_plan_result"]
+__all__ = ["attach_processor", "attach_native", "check_plan_result", "post_process_backward"]
 
 
 def check_plan_result(result: Any, output_processor: Any) -> None:
-    """TypeError naming ``output_processor`` unless ``result`` is a tensor or a tuple of tensors."""
+    """TypeError naming ``output_processor`` unless ``result`` is a tensor or a tuple of tensors
+    (``None`` entries allowed, as upstream passes them to the loss function)."""
     if isinstance(result, torch.Tensor):
         return
-    if isinstance(result, tuple) and result and all(isinstance(t, torch.Tensor) for t in result):
+    if isinstance(result, tuple) and any(isinstance(t, torch.Tensor) for t in result) and all(
+        t is None or isinstance(t, torch.Tensor) for t in result
+    ):
         return
     if isinstance(result, dict):
         got = f"a dict with keys {sorted(map(str, result))}"
@@ -57,6 +61,20 @@ def check_plan_result(result: Any, output_processor: Any) -> None:
         "plan, which takes a tensor or a tuple of tensors (the scheduler detaches them and calls "
         "loss_func(*outputs)); return a tuple instead, e.g. LogprobEntropyProcessor(as_tuple=True)"
     )
+
+
+def post_process_backward(outputs: tuple, output_grad: tuple) -> tuple:
+    """The post-process node's backward, over the outputs the loss used.
+
+    The plan's loss node hands back each output's ``.grad``: None for an output the loss did not
+    use differentiably (an entropy only logged), and upstream's node then passes every output to
+    one ``backward``, which rejects a None gradient, a detached output (a processor's metrics) and
+    a None output. Leaving those out is the same as a zero gradient for them."""
+    pairs = [(t, g) for t, g in zip(outputs, output_grad)
+             if isinstance(t, torch.Tensor) and t.requires_grad and g is not None]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    return output_grad
 
 
 def attach_processor(
@@ -111,17 +129,23 @@ def attach_processor(
         return float16_to_fp32(result)
 
     node.forward_func = forward_func
+    node.backward_func = post_process_backward
     return plan
 
 
-def attach_mtp_loss(model: Any, plan: Any, output_processor: Any) -> Any:
-    """On a native plan (0.18+), run its post-process node with the processor's MTP loss
-    (:mod:`mcore_hooks.mtp`); the processor itself is upstream's to call. Returns ``plan``."""
-    from .mtp import mtp_loss_hook, mtp_loss_of
+def attach_native(model: Any, plan: Any, output_processor: Any) -> Any:
+    """On a native plan (0.18+), with a processor: its post-process node backpropagates only the
+    outputs the loss used (:func:`post_process_backward`), and runs with the processor's MTP loss
+    where the release needs the stand-ins for it (:mod:`mcore_hooks.mtp`); the processor itself
+    is upstream's to call. Returns ``plan``."""
+    from .mtp import mtp_loss_hook
 
-    mtp_loss = mtp_loss_of(output_processor)
     node = plan.post_process
-    if node is None or mtp_loss is None or not compat.mtp_enabled(model):
+    if node is None or output_processor is None:
+        return plan
+    node.backward_func = post_process_backward
+    mtp_loss = compat.native_mtp_loss(model, output_processor)
+    if mtp_loss is None:
         return plan
     stock_forward_func = node.forward_func
 

@@ -289,3 +289,77 @@ def test_tuple_forms_are_documented():
     assert "as_tuple" in (LogprobEntropyProcessor.__doc__ or "")
     for cls in (FusedLogprobProcessor, LinearCEProcessor):
         assert "tensor" in (cls.__doc__ or "").lower()
+
+
+# --------------------------------------------------------------------------- outputs the loss did not use
+
+
+class _LogprobAndNone:
+    """A processor returning ``(logprobs, None)``: upstream passes the None to the loss."""
+
+    def __call__(self, **kwargs):
+        return FusedLogprobProcessor()(**kwargs), None
+
+
+def _policy_context(batch):
+    from mcore_hooks.kernels import PolicyLoss  # noqa: F401  (the processor's default loss)
+
+    shape = batch["labels"].shape
+    g = torch.Generator().manual_seed(4)
+    return {"old_logprobs": -torch.rand(shape, generator=g) * 4, "advantages": torch.randn(shape, generator=g)}
+
+
+def _partial_plan(model, batch, used, **hook):
+    """The plan as the scheduler runs it when the loss used only the outputs marked in ``used``:
+    the loss node hands back None for the others (unused, detached or None outputs)."""
+    plan_cls = _plan_class()
+    model.zero_grad(set_to_none=True)
+    with schedule_plan_on_cpu():
+        plan = model.build_schedule_plan(**batch, **hook)
+        out = plan_cls.run(plan, None)
+        w = _weighting(tuple(o for o in out if o is not None))
+        it = iter(w)
+        grads = tuple(next(it) if o is not None and u else (None if o is None else None) for o, u in zip(out, used))
+        plan_cls.run(None, plan, b_grad=grads)
+    return tuple(o.detach() if o is not None else None for o in out), _grads(model)
+
+
+def _partial_forward(model, batch, used, **hook):
+    model.zero_grad(set_to_none=True)
+    out = model(**batch, **hook)
+    w = _weighting(tuple(o for o in out if o is not None))
+    terms = [(o.float() * g).sum() for o, g, u in zip((o for o in out if o is not None), w, used) if u]
+    sum(terms).backward()
+    return tuple(o.detach() if o is not None else None for o in out), _grads(model)
+
+
+@needs_plan
+@pytest.mark.parametrize("which", ["logprob-entropy", "policy", "verl", "with-none"])
+def test_tuple_outputs_the_loss_did_not_use(which):
+    """The usual GRPO set-up under the plan: entropy logged but not in the loss, a policy loss's
+    detached metrics, a None entry. Upstream's post-process backward rejected each; now the
+    gradients are those of the loss over the outputs it used."""
+    from mcore_hooks import PolicyLossProcessor
+    from mcore_hooks.integrations.verl import VerlFusedProcessor
+
+    cfg = TinyModelConfig(tied=False)
+    model = enable_output_processor(_without_final_norm(build_tiny_model(cfg)))
+    batch = tiny_batch(cfg)
+    hook: dict = {}
+    if which == "logprob-entropy":
+        make, used = (lambda: LogprobEntropyProcessor(as_tuple=True)), (True, False)
+    elif which == "policy":
+        make, used = (lambda: PolicyLossProcessor(as_tuple=True)), (True, False, False)
+        hook["output_processor_context"] = _policy_context(batch)
+    elif which == "verl":
+        make, used = (lambda: VerlFusedProcessor(as_tuple=True)), (True, False)
+    else:
+        make, used = _LogprobAndNone, (True, False)
+    got, got_grads = _partial_plan(model, batch, used, output_processor=make(), **hook)
+    ref, ref_grads = _partial_forward(model, batch, used, output_processor=make(), **hook)
+    assert len(got) == len(used)
+    for a, b in zip(got, ref):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    _assert_grads(got_grads, ref_grads, exact=False)
