@@ -224,6 +224,30 @@ def run_forward_pre_hooks(module: torch.nn.Module, args: tuple, kwargs: dict) ->
     return args, kwargs
 
 
+def refuse_deferred_embedding_wgrad(output_layer: Any) -> None:
+    """Refuse, before anything runs, to bypass an output layer that defers its weight gradient.
+
+    With ``defer_embedding_wgrad_compute`` (pipeline parallelism with gradient-accumulation
+    fusion) the output layer's forward stores its input in ``embedding_activation_buffer`` and
+    its backward the ``[tokens, V/tp]`` logit gradient, and the schedule's flush drains both into
+    ``main_grad``. A processor that reads the weight itself never runs the layer, so the flush
+    pops from an empty buffer; filling it would take the logits-sized gradient these processors
+    exist to avoid."""
+    config = getattr(output_layer, "config", None)
+    if (
+        getattr(config, "defer_embedding_wgrad_compute", False)
+        and getattr(output_layer, "embedding_activation_buffer", None) is not None
+        and torch.is_grad_enabled()
+    ):
+        raise ValueError(
+            "defer_embedding_wgrad_compute: the output layer defers its weight gradient to the "
+            "pipeline flush (embedding_activation_buffer), which a processor reading the weight "
+            "itself never fills; turn defer_embedding_wgrad_compute off (the fused processors "
+            "add the weight's gradient into main_grad themselves), or use a processor that calls "
+            "the output layer (ctx.logits())"
+        )
+
+
 def output_layer_inputs(
     output_layer: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -240,6 +264,7 @@ def output_layer_inputs(
     hooks, where they have run already. The weight is ``output_weight`` (tied embeddings) or the
     layer's own, read after the hooks.
     """
+    refuse_deferred_embedding_wgrad(output_layer)
     args: tuple = (hidden_states,)
     kwargs: dict = {"weight": output_weight, "runtime_gather_output": runtime_gather_output}
     if not called_from_output_layer_pre_hook():

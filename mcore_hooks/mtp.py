@@ -289,6 +289,7 @@ def mtp_loss_hook(model: Any, mtp_loss: Optional[MTPLossFn], calls: "compat.MTPC
         depth = calls.depth(input_)
         if not depth:
             return stock_forward(input_, weight=weight, runtime_gather_output=runtime_gather_output, **kwargs)
+        compat.refuse_deferred_embedding_wgrad(layer)
         if kwargs:
             raise TypeError(
                 f"an MTP depth's output-layer call passed {sorted(kwargs)}, which the fused MTP "

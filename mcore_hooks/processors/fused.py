@@ -184,7 +184,13 @@ class _FusedProcessor(PostprocessProcessor):
         tokens): the label is not ``ignore_index``, times ``loss_mask`` when the model got one."""
         mask = (k.labels_bs != self.ignore_index).float()
         if ctx.loss_mask is not None:
-            mask = mask * ctx.loss_mask.float()
+            lm = ctx.loss_mask
+            if not isinstance(lm, torch.Tensor) or lm.shape != k.labels_bs.shape:
+                raise ValueError(
+                    f"loss_mask: expected shape {tuple(k.labels_bs.shape)} (the labels' [b, s]), got "
+                    f"{tuple(getattr(lm, 'shape', ())) or type(lm).__name__}"
+                )
+            mask = mask * lm.float()
         return mask.t().reshape(-1)
 
     @staticmethod
