@@ -11,7 +11,8 @@ Public API (everything else is internal):
 * :func:`check_output_processor`, ``OUTPUT_PROCESSOR_KEYWORDS`` — the call convention;
 * the bundled processors (:mod:`mcore_hooks.processors`): :class:`FusedLogprobProcessor`,
   :class:`EntropyProcessor`, :class:`LogprobEntropyProcessor`, :class:`LinearCEProcessor`,
-  :class:`PolicyLossProcessor`;
+  :class:`PolicyLossProcessor`; :func:`megatron_upstream_grad` (the ``upstream_grad`` to
+  declare under Megatron's schedules);
 * :func:`debug_checks`, :func:`set_debug_checks` — checks that read device values (label
   range, temperatures), off on CUDA by default to keep the hot path free of host syncs;
 * :mod:`mcore_hooks.kernels` — the math on plain tensors: ``linear_logprob_entropy``,
@@ -40,6 +41,7 @@ from .processors import (
     LinearCEProcessor,
     LogprobEntropyProcessor,
     PolicyLossProcessor,
+    megatron_upstream_grad,
 )
 
 __version__ = "0.1.0"
@@ -58,6 +60,7 @@ __all__ = [
     "debug_checks",
     "enable_output_processor",
     "hooked_class",
+    "megatron_upstream_grad",
     "set_debug_checks",
     "supports_output_processor",
 ]

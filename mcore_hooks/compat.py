@@ -327,6 +327,48 @@ def main_grad_route(weight: torch.Tensor, config: Any) -> tuple[torch.Tensor, di
                                                 placeholder_weight_grad=True)
 
 
+def schedule_loss_gradient(
+    config: Any, num_microbatches: int, *, loss_func_returns: int = 2, cp_size: Optional[int] = None
+) -> float:
+    """The gradient Megatron Core's schedules give the loss a ``loss_func`` returns (every release
+    0.13-0.19, ``forward_step`` / ``forward_step_calc_loss`` then ``backward_step``).
+
+    The last stage's backward seed is ``S = grad_scale_func(1)`` (the optimizer's loss scale: 1
+    for bf16 and fp32 without ``loss_scale``), and the loss is scaled in place first:
+
+    * ``(loss, logging)``: ``loss * cp_size / num_microbatches`` -> ``S * cp / M``;
+    * ``(loss, num_tokens, logging)`` with ``calculate_per_token_loss``: unscaled -> ``S`` (the
+      token count divides ``main_grad`` later, uniformly, in ``finalize_model_grads``);
+    * ``(loss, num_tokens, logging)`` without it: ``loss / num_tokens / M``, a data-dependent
+      gradient that cannot be declared in advance.
+
+    Data-parallel averaging acts on ``main_grad`` as a whole after the backward, so it does not
+    enter. Raises ValueError for what cannot be declared (the data-dependent case, fp16's moving
+    loss scale)."""
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches: expected a positive int, got {num_microbatches!r}")
+    if loss_func_returns not in (2, 3):
+        raise ValueError(f"loss_func_returns: expected 2 or 3 (the length of loss_func's tuple), got {loss_func_returns!r}")
+    if getattr(config, "fp16", False):
+        raise ValueError(
+            "upstream_grad: fp16's dynamic loss scale moves from step to step, so the gradient "
+            "cannot be declared in advance; leave upstream_grad None"
+        )
+    scale_func = getattr(config, "grad_scale_func", None)
+    scale = 1.0 if scale_func is None else float(scale_func(torch.ones(())))
+    if loss_func_returns == 3:
+        if not getattr(config, "calculate_per_token_loss", False):
+            raise ValueError(
+                "upstream_grad: a loss_func returning (loss, num_tokens, logging) without "
+                "calculate_per_token_loss has its loss divided by num_tokens, a data-dependent "
+                "gradient that cannot be declared; return (loss, logging), or set "
+                "calculate_per_token_loss, or leave upstream_grad None"
+            )
+        return scale
+    cp = int(getattr(config, "context_parallel_size", 1) or 1) if cp_size is None else cp_size
+    return scale * cp / num_microbatches
+
+
 @functools.lru_cache(maxsize=None)
 def _stock_scale_logits() -> Optional[Callable[..., Any]]:
     try:

@@ -77,3 +77,82 @@ def test_loss_mask_of_another_shape_is_refused(make, shape):
     kw = hook_keywords(hidden, layer, labels=labels, loss_mask=torch.ones(shape), context=ctx)
     with pytest.raises(ValueError, match=r"loss_mask: expected shape \(2, 16\)"):
         make()(**kw)
+
+
+# --------------------------------------------------------------------------- upstream_grad under the schedules
+
+
+def _call(fn, **kwargs):
+    """``fn`` with the keywords its release takes (the schedules' signatures moved)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def _seen_by_the_loss(returns: int, num_microbatches: int, per_token: bool, cp: int):
+    """Megatron's own forward and backward step (``schedules.forward_step`` /
+    ``backward_step``, what every schedule runs per micro-batch on the last stage) over a model
+    whose output is a scalar loss formed inside it; the gradient that loss received, and what
+    megatron_upstream_grad declares."""
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import schedules
+
+    from mcore_hooks import megatron_upstream_grad
+
+    cfg = TinyModelConfig(tied=False)
+    model = build_tiny_model(cfg)
+    model.config.calculate_per_token_loss = per_token
+    model.config.context_parallel_size = cp  # what the schedules' cp_group_size is, with CP
+    batch = tiny_batch(cfg)
+    seen = []
+
+    def forward_step(data_iterator, model):
+        out = model(**batch).sum()  # a loss formed inside the model
+        out.register_hook(lambda g: seen.append(float(g)))
+
+        def loss_func(loss):
+            loss = loss * 1.0  # the schedule scales what it gets in place
+            return (loss, {}) if returns == 2 else (loss, torch.tensor(7), {})
+
+        return out, loss_func
+
+    for _ in range(num_microbatches):
+        result = _call(
+            schedules.forward_step, forward_step_func=forward_step, data_iterator=None, model=model,
+            num_microbatches=num_microbatches, input_tensor=None, forward_data_store=[],
+            config=model.config, cp_group_size=cp, is_last_stage=True,
+        )
+        output = result[0] if isinstance(result, tuple) else result
+        _call(schedules.backward_step, input_tensor=[None], output_tensor=output,
+              output_tensor_grad=[None], model_type=ModelType.encoder_or_decoder, config=model.config)
+    return seen, megatron_upstream_grad(model.config, num_microbatches, loss_func_returns=returns)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("returns, per_token", [(2, False), (2, True), (3, True)])
+def test_megatron_upstream_grad_is_what_the_schedule_gives(returns, per_token, cp):
+    import inspect
+
+    from megatron.core.pipeline_parallel import schedules
+
+    if cp > 1 and "cp_group_size" not in inspect.signature(schedules.forward_step).parameters:
+        pytest.skip("this release's forward_step reads the CP size from parallel_state (CP=1 here)")
+    seen, declared = _seen_by_the_loss(returns, 3, per_token, cp)
+    # the schedule scales a float32 loss: the declared value rounded to float32, which is also
+    # how the kernels' backward compares the gradient it receives with the declaration
+    assert seen == [float(torch.tensor(declared, dtype=torch.float32))] * 3
+
+
+def test_megatron_upstream_grad_refuses_what_cannot_be_declared():
+    from mcore_hooks import megatron_upstream_grad
+
+    config = copy.copy(build_tiny_model(TinyModelConfig(tied=False)).config)
+    config.calculate_per_token_loss = False
+    with pytest.raises(ValueError, match="num_tokens, a data-dependent gradient"):
+        megatron_upstream_grad(config, 2, loss_func_returns=3)
+    config.fp16 = True
+    with pytest.raises(ValueError, match="fp16's dynamic loss scale"):
+        megatron_upstream_grad(config, 2)
+    with pytest.raises(ValueError, match="num_microbatches"):
+        megatron_upstream_grad(config, 0)

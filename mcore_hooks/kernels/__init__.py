@@ -170,8 +170,8 @@ def linear_cross_entropy(
         placeholder_weight_grad: with an accumulator, give ``weight`` a zero-stride zero
             gradient instead of none (see :func:`linear_logprob_entropy`).
         upstream_grad: with an accumulator, the gradient the returned loss will receive in its
-            backward, declared in advance (under Megatron with bf16, ``1 / num_microbatches``
-            times whatever the loss function multiplies the loss by). The gradients are then
+            backward, declared in advance (under Megatron's schedules,
+            ``mcore_hooks.megatron_upstream_grad``). The gradients are then
             formed in the forward (6NHV), ``upstream_grad * dW`` added into the accumulator
             there, so the forward must be followed by exactly one backward. The backward
             checks the gradient it receives on the device: a different one stops the process

@@ -12,6 +12,7 @@ from .fused import (
     LinearCEProcessor,
     LogprobEntropyProcessor,
     PolicyLossProcessor,
+    megatron_upstream_grad,
 )
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "LogprobEntropyProcessor",
     "LinearCEProcessor",
     "PolicyLossProcessor",
+    "megatron_upstream_grad",
 ]

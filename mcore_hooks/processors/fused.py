@@ -9,9 +9,10 @@ are made; the output layer's weight is read directly.
 Where the model's config asks for ``gradient_accumulation_fusion`` and the output weight has a
 float32 ``main_grad`` (Megatron DDP), the weight's gradient is added into ``main_grad`` in float32
 in the backward, and the weight is marked ``grad_added_to_main_grad`` with a placeholder gradient,
-as Megatron's own linear layers do; no ``[V, h]`` gradient is allocated. The losses whose
-gradients are otherwise formed in the forward then form them in the backward (the upstream
-gradient that scales them is known only there).
+as Megatron's own linear layers do: the kernels allocate no ``[V, h]`` gradient, the placeholder
+is ``[V/tp, h]`` (Megatron's protocol; DDP's hook drops it at once). The losses whose gradients
+are otherwise formed in the forward then form them in the backward (the upstream gradient that
+scales them is known only there), unless ``upstream_grad`` declares it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "LogprobEntropyProcessor",
     "LinearCEProcessor",
     "PolicyLossProcessor",
+    "megatron_upstream_grad",
 ]
 
 
@@ -407,12 +409,13 @@ class PolicyLossProcessor(_FusedProcessor):
         upstream_grad: where the output weight's gradient goes into Megatron's ``main_grad``
             (``gradient_accumulation_fusion``), the gradient the returned loss will receive in
             the backward, declared so that the gradients are formed in the forward (6NHV) rather
-            than recomputed in the backward (8NHV): under Megatron's schedules with bf16,
-            ``1 / num_microbatches`` times whatever the loss function multiplies the loss by
-            (``None`` under fp16 loss scaling, whose scale moves). Checked in the backward on
-            the device: a different gradient stops the process with a device-side assertion.
-            The forward then adds into ``main_grad``: one backward per forward, no recomputed
-            forward. Ignored where the weight's gradient goes to ``.grad``.
+            than recomputed in the backward (8NHV): under Megatron's schedules,
+            :func:`megatron_upstream_grad` (``cp_size / num_microbatches`` for a ``loss_func``
+            returning ``(loss, logging)`` with bf16). Checked in the backward on the device: a
+            different gradient stops the process with a device-side assertion. The forward
+            then adds into ``main_grad``: one backward per forward; refused in a recomputed
+            (activation-checkpointed) forward. Ignored where the weight's gradient goes to
+            ``.grad``.
     """
 
     def __init__(
@@ -473,6 +476,34 @@ class PolicyLossProcessor(_FusedProcessor):
         return (loss, logprobs, entropy) if self.as_tuple else {
             "loss": loss, "logprobs": logprobs, "entropy": entropy
         }
+
+
+def megatron_upstream_grad(config: Any, num_microbatches: int, *, loss_func_returns: int = 2) -> float:
+    """The ``upstream_grad`` to declare when the loss runs under Megatron Core's schedules
+    (``get_forward_backward_func()``), from what the schedule knows: the model's config and the
+    ``num_microbatches`` passed to the schedule.
+
+    Megatron's ``forward_step_calc_loss`` scales the loss your ``loss_func`` returns in place
+    before the backward (every release 0.13-0.19): ``(loss, logging)`` is multiplied by the
+    context-parallel size and divided by ``num_microbatches``; ``(loss, num_tokens, logging)`` is
+    left as it is under ``calculate_per_token_loss`` and otherwise divided by ``num_tokens`` (a
+    data-dependent value, refused here). The backward seed is the optimizer's loss scale
+    (``config.grad_scale_func``; 1 for bf16 and fp32 without a fixed ``loss_scale``). The loss
+    function must return the processor's loss itself (not scaled by anything else).
+
+    Args:
+        config: the model's ``TransformerConfig``.
+        num_microbatches: the schedule's ``num_microbatches`` for this step.
+        loss_func_returns: 2 or 3, the length of the tuple ``loss_func`` returns.
+
+    Returns:
+        The gradient the returned loss receives in the backward.
+
+    Raises:
+        ValueError: it cannot be declared (a 3-tuple without ``calculate_per_token_loss``; fp16,
+            whose dynamic loss scale moves): leave ``upstream_grad`` None there.
+    """
+    return compat.schedule_loss_gradient(config, num_microbatches, loss_func_returns=loss_func_returns)
 
 
 def _declared(kwargs: dict, upstream_grad: Optional[float]) -> dict:
