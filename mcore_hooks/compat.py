@@ -35,6 +35,7 @@ import functools
 import importlib
 import inspect
 import math
+import types
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
@@ -383,10 +384,18 @@ def identity_scale_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def _unscaled(model: Any, logits: torch.Tensor) -> torch.Tensor:
+    return logits
+
+
 def scale_logits_of(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    # Releases that have LanguageModule._scale_logits (0.17+) apply it in every stock forward that
-    # the backport serves (GPTModel 0.17, MambaModel 0.17+, HybridModel); older ones scale nothing.
-    return getattr(model, "_scale_logits", identity_scale_logits)
+    """The ``scale_logits`` a hook call passes: the model's bound ``_scale_logits``, as upstream
+    passes it (0.17+, applied in every stock forward the backport serves: GPTModel 0.17,
+    MambaModel 0.17+, HybridModel). Releases without it scale nothing; they get an identity
+    bound to the model all the same, so ``scale_logits.__self__`` is the model on every release,
+    as a processor written against upstream's hook may rely on."""
+    bound = getattr(model, "_scale_logits", None)
+    return bound if bound is not None else types.MethodType(_unscaled, model)
 
 
 def logit_scale(scale_logits: Callable[[torch.Tensor], torch.Tensor], config: Any) -> float:
@@ -396,7 +405,7 @@ def logit_scale(scale_logits: Callable[[torch.Tensor], torch.Tensor], config: An
     ``config.mup_output_mult`` when ``config.use_mup``: read from the config. Any other callable
     is probed once on a float64 pair; ValueError if it is not a constant factor.
     """
-    if scale_logits is identity_scale_logits:
+    if scale_logits is identity_scale_logits or getattr(scale_logits, "__func__", None) is _unscaled:
         return 1.0
     stock = _stock_scale_logits()
     if stock is not None and getattr(scale_logits, "__func__", None) is stock:

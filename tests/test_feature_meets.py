@@ -156,3 +156,27 @@ def test_megatron_upstream_grad_refuses_what_cannot_be_declared():
         megatron_upstream_grad(config, 2)
     with pytest.raises(ValueError, match="num_microbatches"):
         megatron_upstream_grad(config, 0)
+
+
+# --------------------------------------------------------------------------- upstream's keywords
+
+
+def test_scale_logits_is_bound_to_the_model_on_every_release():
+    """Upstream passes the model's bound ``_scale_logits`` (``scale_logits.__self__ is model``,
+    as its own hook test checks); releases without MuP scaling (0.13-0.16) now pass an identity
+    bound to the model, not a module-level function."""
+    cfg = TinyModelConfig()
+    model = enable_output_processor(build_tiny_model(cfg))
+    seen = {}
+
+    def processor(**kw):
+        seen.update(kw)
+        return kw["hidden_states"].sum()
+
+    model(**tiny_batch(cfg), output_processor=processor)
+    assert seen["scale_logits"].__self__ is model
+    x = torch.randn(3, 2)
+    assert torch.equal(seen["scale_logits"](x), x)
+    from mcore_hooks.postprocess import PostprocessContext
+
+    assert PostprocessContext.from_kwargs(seen).logit_scale() == 1.0
