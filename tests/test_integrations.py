@@ -254,3 +254,16 @@ def test_nemo_rl_processor_context_parallel_2():
     for out, full, dh, ref in run_on_ranks(_nemo_cp, 2, tp=1, cp=2):
         torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(dh, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_nemo_rl_processor_refuses_mtp_before_any_loss():
+    """NeMo RL's labels=input_ids are unshifted; Megatron's MTP rolls labels as shifted ones, so
+    the depths would learn the token they are fed: refused at the first depth, no gradient."""
+    cfg = TinyModelConfig(mtp_num_layers=1, tied=False)
+    model = enable_output_processor(build_tiny_model(cfg))
+    batch = tiny_batch(cfg)
+    ids = batch.pop("input_ids")
+    batch.pop("labels", None)
+    with pytest.raises(ValueError, match="NemoRLLogprobProcessor with multi-token prediction"):
+        model(input_ids=ids, labels=ids, **batch, output_processor=NemoRLLogprobProcessor())
+    assert all(p.grad is None for p in model.parameters())

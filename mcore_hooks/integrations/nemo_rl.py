@@ -32,7 +32,11 @@ The same inputs (``labels=input_ids``) and output (``[B, S-1]``) as the patch, p
   gathered as NeMo RL's ``AllGatherCPTensor`` gathers it (its backward all-reduces the gradient
   over the CP group and keeps this rank's chunks); with packed batches, each packed sequence is
   laid out that way (NeMo RL requires packing whenever CP > 1);
-* multi-token prediction: its loss with the fused kernel too (:mod:`mcore_hooks.mtp`).
+* multi-token prediction is refused (a ``ValueError`` from the first MTP depth, before any
+  loss is formed): Megatron's MTP takes ``labels`` as already shifted and rolls them once more
+  per depth, so with NeMo RL's unshifted ``labels=input_ids`` depth ``k`` would learn
+  ``input_ids[t + k]``, the token it is fed, and its token count (Megatron's rolled
+  ``loss_mask``) is one too many per sequence; NeMo RL's own fused path skips the MTP step.
 
 NeMo RL itself is not needed to import this module.
 """
@@ -45,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .. import compat
+from ..mtp import MTPDepth, MTPLoss
 from ..postprocess import PostprocessContext
 from ..processors.fused import _FusedProcessor
 from ..processors.labels import cp_global_positions, labels_from_input_ids
@@ -75,6 +80,16 @@ class NemoRLLogprobProcessor(_FusedProcessor):
         backend: str = "auto",
     ) -> None:
         self._set_options(temperature, ignore_index, chunk_size, backend)
+
+    def mtp_loss(self, depth: MTPDepth) -> MTPLoss:
+        """Refused: see the module docstring (the depths would train on the wrong targets)."""
+        raise ValueError(
+            "NemoRLLogprobProcessor with multi-token prediction: NeMo RL passes labels=input_ids "
+            "(unshifted), but Megatron's MTP takes labels as next-token labels and rolls them "
+            "once more per depth, so each depth would learn the token it is fed, normalised over "
+            "one token too many per sequence. Turn MTP off (mtp_num_layers=None) for this "
+            "processor, or pass shifted labels with LogprobEntropyProcessor"
+        )
 
     def labels(self, ctx: PostprocessContext) -> torch.Tensor:
         """The next token of each position of ``labels`` (``input_ids``), per sequence when
