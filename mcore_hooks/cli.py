@@ -78,14 +78,24 @@ def verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[i
 
         if args.device != "cpu" and not torch.cuda.is_available():
             parser.error(f"--device {args.device}: no CUDA device is available")
-        from .testing import available_model_classes, model_parallel, run_on_ranks
+        from .testing import TinyModelConfig, available_model_classes, model_parallel, run_on_ranks
         from .verify import format_table, merge_ranks, to_json
+
+        tiny = TinyModelConfig()
+        uneven = [n for n in args.tp if tiny.vocab_size % n or tiny.num_attention_heads % n]
+        if uneven:
+            parser.error(
+                f"--tp {' '.join(map(str, uneven))}: the tiny models' {tiny.num_attention_heads} "
+                f"attention heads and {tiny.vocab_size}-token vocabulary split evenly over 1, 2 or 4 "
+                "ranks only"
+            )
 
         version = _megatron_core_version()
         classes = args.model or list(available_model_classes())
         missing = sorted(set(classes) - set(available_model_classes()))
         if missing:
-            parser.error(f"--model: not in Megatron Core {version}: {', '.join(missing)}")
+            why = " (HybridModel arrived in Megatron Core 0.18)" if "hybrid" in missing else ""
+            parser.error(f"--model: not in Megatron Core {version}: {', '.join(missing)}{why}")
         results = []
         for tp in args.tp:
             if tp == 1:

@@ -40,3 +40,16 @@ def test_a_closed_pipe_ends_quietly_with_the_checks_status():
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0
     assert b"BrokenPipeError" not in err and b"Traceback" not in err, err.decode()
+
+
+def test_usage_errors_are_one_line_and_exit_2():
+    """A tensor-parallel size the tiny models cannot split over, or a class the release lacks:
+    a one-line usage error (exit 2), never a traceback or a 'mismatch' exit 1."""
+    out = subprocess.run(CLI + ["verify", "--tp", "3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "--tp 3: the tiny models' 4 attention heads" in out.stderr.splitlines()[-1]
+    from mcore_hooks.testing import available_model_classes
+
+    if "hybrid" not in available_model_classes():
+        out = subprocess.run(CLI + ["verify", "--model", "hybrid"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and "HybridModel arrived in Megatron Core 0.18" in out.stderr
