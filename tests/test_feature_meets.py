@@ -180,3 +180,18 @@ def test_scale_logits_is_bound_to_the_model_on_every_release():
     from mcore_hooks.postprocess import PostprocessContext
 
     assert PostprocessContext.from_kwargs(seen).logit_scale() == 1.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")
+def test_backend_for_a_cuda_device_answers_without_one():
+    from mcore_hooks.kernels import backend_for
+
+    assert backend_for(torch.bfloat16, "cuda").startswith("none: no CUDA device here")
+    assert backend_for(torch.bfloat16, "cpu") == "torch"
+
+
+def test_a_misspelled_context_key_names_output_processor_context():
+    layer, hidden, labels = _layer_and_hidden()
+    ctx = {"old_logprob": torch.zeros(2, 16), "advantages": torch.ones(2, 16)}
+    with pytest.raises(ValueError, match=r"output_processor_context: missing 'old_logprobs'; unexpected 'old_logprob'"):
+        PolicyLossProcessor()(**hook_keywords(hidden, layer, labels=labels, context=ctx))

@@ -481,13 +481,18 @@ def backend_for(dtype: torch.dtype, device: Union[str, torch.device], backend: s
         backend: what would be asked for: ``"auto"``, ``"torch"`` or ``"triton"``.
 
     Returns:
-        ``"torch"``, or ``"triton (<family> tiles)"`` (e.g. ``"triton (sm_90 tiles)"``).
+        ``"torch"``, or ``"triton (<family> tiles)"`` (e.g. ``"triton (sm_90 tiles)"``); for
+        a CUDA device on a machine without one, a sentence saying so.
 
     Raises:
         ValueError: ``backend`` is unknown, or cannot run there.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        # which tiles would run depends on the GPU, and there is none to ask
+        return "none: no CUDA device here (on a GPU, 'triton (<family> tiles)' or 'torch')"
     probe = torch.empty(0, dtype=dtype, device=device)
     return backend_name(_select_backend(backend, probe))
 
