@@ -267,3 +267,11 @@ def test_nemo_rl_processor_refuses_mtp_before_any_loss():
     with pytest.raises(ValueError, match="NemoRLLogprobProcessor with multi-token prediction"):
         model(input_ids=ids, labels=ids, **batch, output_processor=NemoRLLogprobProcessor())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_package_exports_both_processors():
+    """README: ``from mcore_hooks.integrations import VerlFusedProcessor`` (it raised)."""
+    import mcore_hooks.integrations as integrations
+
+    assert integrations.VerlFusedProcessor is VerlFusedProcessor
+    assert integrations.NemoRLLogprobProcessor is NemoRLLogprobProcessor
