@@ -18,7 +18,8 @@ selected-token log-probabilities, entropy and linear cross-entropy that never bu
 `mcore-hooks verify` builds tiny models of each class the installed Megatron Core has, runs every
 bundled processor through the hook and the stock path side by side, and compares values and
 gradients: float32 models against stock (bitwise or to float32 rounding), bf16 models against
-float64 (at least as accurate as stock). It exits with status 1 on any mismatch.
+float64 (at least as accurate as stock; gradients up to one bf16 rounding of the result). It
+exits with status 1 on any mismatch.
 """
 
 

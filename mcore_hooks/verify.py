@@ -12,8 +12,8 @@ layout and tied / untied output weights:
   Triton on a CUDA GPU that has tiles for it), and so does the stock post-process (output layer,
   bf16 logits, Megatron's loss or an fp32 ``log_softmax``) on the same hidden states; both are
   compared with a float64 computation from those hidden states and the output weight. The rule:
-  at least as accurate as stock, for the values and for the gradients of the hidden states and
-  the output weight.
+  values at least as accurate as stock (float32 outputs); gradients of the hidden states and the
+  output weight at least as accurate as stock up to one bf16 rounding of the result (below).
 
 Run by ``mcore-hooks verify``; usable from tests as :func:`run_checks`.
 """
@@ -371,8 +371,11 @@ def _precision_errors(check: PrecisionCheck, model: torch.nn.Module, batch: dict
     return value, grad, _errors(ours, exact)[0], max(_errors(g, r)[0] for g, r in zip(ours_grads, (dh, dw)))
 
 
-# Gradients are bf16 matmul results in both paths, rounded to bf16 once: a relative error below
-# bf16's unit roundoff (2**-8) is the rounding of the result itself, whichever path is closer.
+# Gradients are bf16 in both paths, each the bf16 rounding of a float32 result: rounding moves an
+# element by up to half a bf16 ulp (2**-9 relative), towards the float64 value or away from it, so
+# of two results equally accurate before rounding, one can be farther after it by up to
+# 2**-9 * (|ours| + |stock|) ~ 2**-8 relative, norm-wise. The rule: ours <= stock + 2**-8 (at least
+# as accurate before the final rounding); the table says which of the two holds.
 _BF16_ROUNDING = 2.0**-8
 
 
@@ -474,7 +477,7 @@ def _precision_checks(checks, device, model_class) -> list[CheckResult]:
             (v_ours, v_stock), (g_ours, g_stock), v_abs, g_abs = _precision_errors(
                 check, model, batch, seed=i
             )
-            ok = v_ours <= v_stock and g_ours <= max(g_stock, _BF16_ROUNDING)
+            ok = v_ours <= v_stock and g_ours <= g_stock + _BF16_ROUNDING
             results.append(
                 CheckResult(model_class, layout, check.name, v_abs, v_ours, g_abs, g_ours,
                             _BF16_ROUNDING, ok, rule="vs float64", stock_value_rel=v_stock,
@@ -507,8 +510,10 @@ def _verdict(r: CheckResult) -> str:
     if not r.passed:
         return "FAIL" + (f" {r.error}" if r.error else "")
     if r.rule == "vs float64":
-        return "pass (at least as accurate as stock)"
-    return "pass (bitwise)" if not r.tolerance else "pass"
+        if r.value_rel <= r.stock_value_rel and r.grad_rel <= r.stock_grad_rel:
+            return "pass (at least as accurate as stock)"
+        return "pass (gradients within one bf16 rounding of stock's accuracy)"
+    return "pass (bitwise)" if not r.tolerance else f"pass (<= {r.tolerance:.0e})"
 
 
 def format_table(results: Sequence[CheckResult]) -> str:
@@ -531,7 +536,15 @@ def format_table(results: Sequence[CheckResult]) -> str:
     def line(cells: Sequence[str]) -> str:
         return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
 
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+    legend = [
+        "",
+        "value rel / grad rel: norm-wise relative errors (grad: the worst parameter's, or of the hidden",
+        "states and output weight). reference stock: float32 models, the processor through the hook",
+        "against the stock path, bitwise or within the tolerance shown. reference float64: bf16 models,",
+        "ours / stock against float64; values must be at least as accurate as stock, gradients at least",
+        "as accurate up to one bf16 rounding of the result (2**-8).",
+    ]
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows] + legend)
 
 
 def to_json(results: Sequence[CheckResult], **meta: Any) -> str:
