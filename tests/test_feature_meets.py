@@ -195,3 +195,20 @@ def test_a_misspelled_context_key_names_output_processor_context():
     ctx = {"old_logprob": torch.zeros(2, 16), "advantages": torch.ones(2, 16)}
     with pytest.raises(ValueError, match=r"output_processor_context: missing 'old_logprobs'; unexpected 'old_logprob'"):
         PolicyLossProcessor()(**hook_keywords(hidden, layer, labels=labels, context=ctx))
+
+
+def test_results_at_batch_one_are_not_views_of_what_the_backward_saved():
+    """At b = 1 the [s, b] -> [b, s] transpose is contiguous, so the result was a view of the
+    entropy the kernel saved for its backward: an in-place edit (a mask applied with mul_)
+    raised in the backward. Results are their own tensors."""
+    layer, hidden, labels = _layer_and_hidden(b=1)
+    h = hidden.clone().requires_grad_()
+    out = LogprobEntropyProcessor()(**hook_keywords(h, layer, labels=labels))
+    ref = out["entropy"].detach().clone()
+    out["entropy"].mul_(0.5)
+    (out["logprobs"].sum() + out["entropy"].sum()).backward()
+    h2 = hidden.clone().requires_grad_()
+    again = LogprobEntropyProcessor()(**hook_keywords(h2, layer, labels=labels))
+    (again["logprobs"].sum() + 0.5 * again["entropy"].sum()).backward()
+    torch.testing.assert_close(out["entropy"], 0.5 * ref)
+    torch.testing.assert_close(h.grad, h2.grad)

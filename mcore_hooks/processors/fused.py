@@ -161,7 +161,7 @@ class _FusedProcessor(PostprocessProcessor):
             flat_labels = labels.t().reshape(-1)  # [s*b], s-major like the hidden states
         kwargs = dict(
             temperature=per_token_temperature(self.temperature_for(ctx), b, s, ctx.packed_seq_params,
-                                              ctx.cp_size),
+                                              ctx.cp_size, hidden.device),
             logit_scale=ctx.logit_scale(),
             ignore_index=self.ignore_index,
             parallel=VocabParallel(ctx.tp_group, ctx.vocab_start, ctx.sequence_parallel),
@@ -198,7 +198,9 @@ class _FusedProcessor(PostprocessProcessor):
     @staticmethod
     def to_bs(t: torch.Tensor, bs: tuple[int, int]) -> torch.Tensor:
         b, s = bs
-        return t.view(s, b).t().contiguous()
+        # a copy, never a view: at b = 1 the transpose is contiguous already, and the kernels
+        # save their per-token outputs for the backward (an in-place edit would corrupt it)
+        return t.view(s, b).t().clone(memory_format=torch.contiguous_format)
 
 
 class FusedLogprobProcessor(_FusedProcessor):

@@ -82,16 +82,20 @@ def labels_from_input_ids(
 
 def per_token_temperature(
     temperature: Union[float, torch.Tensor], batch: int, seq: int, packed_seq_params: Any = None,
-    cp_size: int = 1,
+    cp_size: int = 1, device: Optional[torch.device] = None,
 ) -> Union[float, torch.Tensor]:
     """A float, or ``[b]`` per-sample temperatures as one per token in ``[s, b]`` order.
 
     For packed THD input a sample is a packed sequence: ``[num_sequences]`` temperatures are
     spread over each sequence's positions (padding included, the trailing padding taking the last
     sequence's: those positions carry no label). ``seq`` is this rank's token count (CP-local).
+    The result is on ``device`` (the hidden states'): a CPU temperature tensor is copied there,
+    host to device, rather than the device's ``cu_seqlens`` read back to the host.
     """
     if not isinstance(temperature, torch.Tensor):
         return temperature
+    if device is not None:
+        temperature = temperature.to(device)
     if temperature.dim() != 1:
         raise ValueError(f"temperature: expected a float or a 1-D tensor, got shape {tuple(temperature.shape)}")
     if _packed_offsets(packed_seq_params, temperature.device) is not None and batch == 1:
