@@ -275,3 +275,31 @@ def test_the_package_exports_both_processors():
 
     assert integrations.VerlFusedProcessor is VerlFusedProcessor
     assert integrations.NemoRLLogprobProcessor is NemoRLLogprobProcessor
+
+
+def test_verl_mtp_detach_weight_keeps_the_depths_gradient_off_the_head():
+    """verl's own MTP loss detaches the output weight: with ``mtp_detach_weight`` the head's
+    gradient is the main loss's alone (as with the depths' loss zeroed), while the MTP block
+    still learns; without it the depths' gradient reaches the head (Megatron's semantics)."""
+    cfg = TinyModelConfig(mtp_num_layers=1, tied=False)
+    batch = tiny_batch(cfg)
+
+    class NoMTPLoss(VerlFusedProcessor):
+        def mtp_loss(self, depth):
+            r = super().mtp_loss(depth)
+            return r._replace(loss=r.loss * 0.0)
+
+    def grads(processor):
+        model = enable_output_processor(build_tiny_model(cfg))
+        model.train()
+        out = model(**batch, output_processor=processor)
+        out.log_probs.sum().backward()
+        mtp = [p.grad for n, p in model.named_parameters() if n.startswith("mtp.") and p.grad is not None]
+        return model.output_layer.weight.grad.clone(), mtp
+
+    head_only, _ = grads(NoMTPLoss())
+    detached, mtp_detached = grads(VerlFusedProcessor(mtp_detach_weight=True))
+    attached, _ = grads(VerlFusedProcessor())
+    torch.testing.assert_close(detached, head_only, rtol=1e-6, atol=1e-7)
+    assert (attached - head_only).abs().max() > 1e-4
+    assert mtp_detached and any(g.abs().sum() > 0 for g in mtp_detached)

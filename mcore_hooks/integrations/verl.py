@@ -38,6 +38,7 @@ from typing import Optional, Union
 import torch
 
 from ..kernels import linear_logprob_entropy
+from ..mtp import MTPDepth, MTPLoss
 from ..postprocess import PostprocessContext
 from ..processors.fused import _check_flag, _FusedProcessor
 
@@ -80,6 +81,10 @@ class VerlFusedProcessor(_FusedProcessor):
         chunk_size: tokens per chunk of the torch backend's fp32 logits (None: about 2**26).
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see
             :func:`~mcore_hooks.kernels.backend_for`).
+        mtp_detach_weight: with MTP on, the depths' loss reads the output weight detached, as
+            verl's own MTP loss does (the depths train the MTP block, not the shared head). Off:
+            Megatron's semantics (the depths' gradient reaches the head too; on 0.19+ its
+            ``mtp_detach_heads`` does the same).
     """
 
     def __init__(
@@ -87,15 +92,25 @@ class VerlFusedProcessor(_FusedProcessor):
         *,
         calculate_entropy: bool = True,
         as_tuple: bool = False,
+        mtp_detach_weight: bool = False,
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
     ) -> None:
         _check_flag("calculate_entropy", calculate_entropy)
         _check_flag("as_tuple", as_tuple)
+        _check_flag("mtp_detach_weight", mtp_detach_weight)
         self._set_options(1.0, ignore_index, chunk_size, backend)  # the temperature comes per call
+        self.mtp_detach_weight = mtp_detach_weight
         self.calculate_entropy = calculate_entropy
         self.as_tuple = as_tuple
+
+    def mtp_loss(self, depth: MTPDepth) -> MTPLoss:
+        """The fused MTP loss (see :class:`~mcore_hooks.processors.fused._FusedProcessor`), on
+        the detached output weight with ``mtp_detach_weight``."""
+        if self.mtp_detach_weight:
+            depth = dataclasses.replace(depth, weight=depth.weight.detach())
+        return super().mtp_loss(depth)
 
     def temperature_for(self, ctx: PostprocessContext) -> Union[float, torch.Tensor]:
         """``output_processor_context.temperature`` (1 without a context)."""
