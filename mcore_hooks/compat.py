@@ -249,6 +249,24 @@ def refuse_deferred_embedding_wgrad(output_layer: Any) -> None:
         )
 
 
+def output_layer_precision_note(config: Any) -> Optional[str]:
+    """Where the stock output layer computes its logits in another precision than the bf16/fp16
+    weight times the hidden states (what a processor reading the weight computes, in float32):
+    Megatron Core 0.19's MXFP8 LM head (``fp8_output_proj`` with ``fp8`` and the ``mxfp8``
+    recipe). None otherwise. (``logit_dtype=float32``, on Megatron-LM's main branch, makes stock
+    compute what the processors compute: float32 logits from the same inputs.)"""
+    if not (getattr(config, "fp8_output_proj", False) and getattr(config, "fp8", False)):
+        return None
+    recipe = getattr(config, "fp8_recipe", None)
+    if "mxfp8" not in str(getattr(recipe, "value", recipe)).lower():
+        return None
+    return (
+        "fp8_output_proj: the model's output layer runs an MXFP8 GEMM (Megatron Core's MXFP8 LM "
+        "head); the processor reads the weight and computes the logits from the bf16 weight and "
+        "hidden states in float32, so its values are not stock's: they differ by MXFP8's rounding"
+    )
+
+
 def output_layer_inputs(
     output_layer: torch.nn.Module,
     hidden_states: torch.Tensor,

@@ -212,3 +212,22 @@ def test_results_at_batch_one_are_not_views_of_what_the_backward_saved():
     (again["logprobs"].sum() + 0.5 * again["entropy"].sum()).backward()
     torch.testing.assert_close(out["entropy"], 0.5 * ref)
     torch.testing.assert_close(h.grad, h2.grad)
+
+
+def test_an_mxfp8_lm_head_is_named():
+    """Megatron Core 0.19's MXFP8 LM head computes stock's logits through an MXFP8 GEMM, which a
+    processor reading the weight bypasses: it says so."""
+    import types
+
+    layer, hidden, labels = _layer_and_hidden()
+    kw = hook_keywords(hidden, layer, labels=labels)
+    kw["config"] = types.SimpleNamespace(context_parallel_size=1, fp8_output_proj=True, fp8="e4m3",
+                                         fp8_recipe="mxfp8")
+    with pytest.warns(UserWarning, match="fp8_output_proj: the model's output layer runs an MXFP8 GEMM"):
+        FusedLogprobProcessor()(**kw)
+    kw["config"].fp8_output_proj = False
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FusedLogprobProcessor()(**kw)

@@ -18,6 +18,7 @@ scales them is known only there), unless ``upstream_grad`` declares it.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Literal, NamedTuple, Optional, Union
 
 import torch
@@ -145,6 +146,9 @@ class _FusedProcessor(PostprocessProcessor):
         flat labels, keyword arguments, the ``(b, s)`` to reshape per-token results to, and the
         ``[b, s]`` labels used (None without labels)."""
         hidden, weight = ctx.output_layer_inputs()
+        note = compat.output_layer_precision_note(ctx.config)
+        if note is not None:
+            warnings.warn(note, stacklevel=2)  # once per call site (Python's default filter)
         if hidden.dim() != 3:
             raise ValueError(f"hidden_states: expected [s, b, h], got shape {tuple(hidden.shape)}")
         s_local, b, h = hidden.shape
