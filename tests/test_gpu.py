@@ -84,39 +84,75 @@ def _hook_keywords(processor_batch):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
 def test_processors_never_synchronise_with_the_host(packed):
-    """Forward and backward of every bundled processor (Triton backend), labels given and
-    derived, a per-sample temperature, with torch's sync debug mode raising on any
+    """Forward and backward of every bundled processor and both integrations (Triton backend),
+    labels given and derived, a per-sample temperature, the weight's gradient into main_grad
+    with and without a declared upstream gradient, with torch's sync debug mode raising on any
     synchronising call."""
+    import copy
+
+    from mcore_hooks.integrations import NemoRLLogprobProcessor, VerlFusedProcessor
     from mcore_hooks.processors import (
         EntropyProcessor,
         FusedLogprobProcessor,
         LinearCEProcessor,
         LogprobEntropyProcessor,
+        PolicyLossProcessor,
     )
     from mcore_hooks.testing import model_parallel
+
+    def loss_of(out):
+        if isinstance(out, dict):
+            out = out.get("loss", out.get("logprobs"))
+        elif isinstance(out, tuple):
+            out = out[0]
+        elif hasattr(out, "log_probs"):
+            out = out.log_probs
+        return out.float().sum()
 
     with model_parallel(tp=1):
         kwargs, batch = _hook_keywords(packed)
         samples = 3
         temperature = torch.linspace(0.5, 1.5, samples, device="cuda")
+        shape = kwargs["labels"].shape
+        policy_inputs = {"old_logprobs": -torch.rand(shape, device="cuda") * 3,
+                         "advantages": torch.randn(shape, device="cuda")}
         processors = [
             FusedLogprobProcessor(temperature=temperature), EntropyProcessor(mask_from_labels=True),
             LogprobEntropyProcessor(as_tuple=True, temperature=0.7), LinearCEProcessor(),
             LinearCEProcessor(reduction="sum"), LinearCEProcessor(reduction="mean"),
+            PolicyLossProcessor(temperature=temperature), VerlFusedProcessor(),
+            NemoRLLogprobProcessor(temperature=0.7),
         ]
-        for derived in (False, True):
-            for processor in processors:
-                hidden = kwargs["hidden_states"].detach().requires_grad_()
-                call = dict(kwargs, hidden_states=hidden, labels=None if derived else kwargs["labels"])
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("error")
-                try:
-                    out = processor(**call)
-                    out = torch.stack(list(out)) if isinstance(out, tuple) else out
-                    out.float().sum().backward()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-                assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+        weight = kwargs["output_layer"].weight
+        for main_grad in ("off", "on", "declared"):
+            config = copy.copy(kwargs["config"])
+            config.gradient_accumulation_fusion = main_grad != "off"
+            weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device="cuda")
+            weight.grad_added_to_main_grad = False
+            route = processors if main_grad == "off" else [
+                LinearCEProcessor(reduction="sum", upstream_grad=1.0 if main_grad == "declared" else None),
+                PolicyLossProcessor(upstream_grad=1.0 if main_grad == "declared" else None),
+                LogprobEntropyProcessor(),
+            ]
+            for derived in (False, True):
+                for processor in route:
+                    hidden = kwargs["hidden_states"].detach().requires_grad_()
+                    labels = None if derived else kwargs["labels"]
+                    if isinstance(processor, NemoRLLogprobProcessor):
+                        labels = kwargs["input_ids"]  # NeMo RL's labels=input_ids
+                    call = dict(kwargs, hidden_states=hidden, labels=labels, config=config,
+                                context=policy_inputs if isinstance(processor, PolicyLossProcessor) else None)
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        loss_of(processor(**call)).backward()
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                    assert hidden.grad is not None and torch.isfinite(hidden.grad).all()
+            if main_grad != "off":
+                assert weight.main_grad.abs().sum() > 0
+        for name in ("main_grad", "grad_added_to_main_grad"):
+            delattr(weight, name)
 
 
 # --------------------------------------------------------------------------- 2 GPUs
