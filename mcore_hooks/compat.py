@@ -362,8 +362,9 @@ def schedule_loss_gradient(
       gradient that cannot be declared in advance.
 
     Data-parallel averaging acts on ``main_grad`` as a whole after the backward, so it does not
-    enter. Raises ValueError for what cannot be declared (the data-dependent case, fp16's moving
-    loss scale)."""
+    enter. The value is computed in float32 in the schedule's order, so it is the gradient bit
+    for bit. Reading the optimizer's scale waits for the device: call it once per step. Raises
+    ValueError for what cannot be declared (the data-dependent case, fp16's moving loss scale)."""
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches: expected a positive int, got {num_microbatches!r}")
     if loss_func_returns not in (2, 3):
@@ -374,7 +375,10 @@ def schedule_loss_gradient(
             "cannot be declared in advance; leave upstream_grad None"
         )
     scale_func = getattr(config, "grad_scale_func", None)
-    scale = 1.0 if scale_func is None else float(scale_func(torch.ones(())))
+    # the optimizer's scale lives on the device: reading it waits for it (once per call)
+    seed = torch.ones((), dtype=torch.float32)
+    if scale_func is not None:
+        seed = scale_func(seed).detach().float().cpu().reshape(())
     if loss_func_returns == 3:
         if not getattr(config, "calculate_per_token_loss", False):
             raise ValueError(
@@ -383,9 +387,11 @@ def schedule_loss_gradient(
                 "gradient that cannot be declared; return (loss, logging), or set "
                 "calculate_per_token_loss, or leave upstream_grad None"
             )
-        return scale
+        return float(seed)
     cp = int(getattr(config, "context_parallel_size", 1) or 1) if cp_size is None else cp_size
-    return scale * cp / num_microbatches
+    # the backward of the schedule's in-place `loss *= cp; loss /= M` under the seed, in float32
+    # and in its order: an exact declaration, compared with == in the kernels' backward
+    return float(seed / num_microbatches * cp)
 
 
 @functools.lru_cache(maxsize=None)
@@ -814,9 +820,12 @@ class NativeHookMixin:
                             output_processor_context: Optional[Any] = None, **kwargs: Any) -> Any:
         from .schedule_plan import attach_native
 
+        stock = getattr(super(), "build_schedule_plan", None)
+        if stock is None:  # a native hook without a plan (HybridModel with upstream/0001)
+            raise NotImplementedError(no_schedule_plan_reason(type(self)))
         if output_processor is not None:
             check_output_processor(output_processor)
-        plan = super().build_schedule_plan(  # type: ignore[misc]
+        plan = stock(  # type: ignore[misc]
             *args, output_processor=output_processor,
             output_processor_context=output_processor_context, **kwargs
         )

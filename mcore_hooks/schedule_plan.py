@@ -72,8 +72,13 @@ def post_process_backward(outputs: tuple, output_grad: tuple) -> tuple:
     a None output. Leaving those out is the same as a zero gradient for them."""
     pairs = [(t, g) for t, g in zip(outputs, output_grad)
              if isinstance(t, torch.Tensor) and t.requires_grad and g is not None]
-    if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    if not pairs:  # the next node back would fail far from here, on a None gradient
+        raise RuntimeError(
+            "combined-1F1B schedule plan: loss_func used none of output_processor's outputs "
+            "differentiably (every gradient it handed back is None, or no output requires grad), "
+            "so nothing reaches the model"
+        )
+    torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
     return output_grad
 
 

@@ -122,3 +122,29 @@ def test_main_grad_inside_a_checkpointed_region(make):
         assert not layer.weight.main_grad.any()
     finally:
         handle.remove()
+
+
+def test_a_declared_upstream_grad_in_a_reentrant_recomputation_is_refused():
+    """A reentrant checkpoint runs the forward without grad (nothing is added then) and again
+    inside the backward: that second forward would add into main_grad, so it is refused there,
+    and nothing was written."""
+    g = torch.Generator().manual_seed(6)
+    s, b, h, v = 4, 2, 8, 30
+    layer = torch.nn.Linear(h, v, bias=False)
+    hidden = torch.randn(s, b, h, generator=g, requires_grad=True)
+    labels = torch.randint(0, v, (b, s), generator=g)
+    config = types.SimpleNamespace(context_parallel_size=1, gradient_accumulation_fusion=True)
+    handle = _ddp_like(layer.weight)
+    try:
+        def region(hh):
+            kw = hook_keywords(hh, layer, labels=labels)
+            kw["config"] = config
+            return LinearCEProcessor(reduction="sum", upstream_grad=1.0)(**kw)
+
+        loss = checkpoint(region, hidden, use_reentrant=True)
+        assert not layer.weight.main_grad.any()
+        with pytest.raises(ValueError, match="upstream_grad: the loss is computed inside a backward pass"):
+            loss.backward()
+        assert not layer.weight.main_grad.any()
+    finally:
+        handle.remove()

@@ -135,3 +135,22 @@ def test_nemo_rl_packed_under_context_parallelism():
         torch.testing.assert_close(local, ref, **TOL)
         torch.testing.assert_close(dh, CP * dh_ref, **TOL)
         torch.testing.assert_close(dw, CP * dw_ref, **TOL)
+
+
+def test_a_layout_that_is_not_megatrons_is_refused():
+    """Padded lengths that are not multiples of 2 cp, or sequences that do not cover the batch,
+    would make two ranks claim the same positions: refused, naming cu_seqlens_q_padded."""
+    import types
+
+    from mcore_hooks.processors.labels import cp_global_positions, sequence_index
+
+    def params(padded):
+        cu = torch.tensor([0] + torch.tensor(padded).cumsum(0).tolist())
+        return types.SimpleNamespace(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu)
+
+    assert cp_global_positions(10, 1, CP, _params(), torch.device("cpu")).tolist() == _positions(1)
+    for padded, local in (([6, 8], 7), ([8, 8], 10)):
+        with pytest.raises(ValueError, match="cu_seqlens_q_padded"):
+            cp_global_positions(local, 0, CP, params(padded), torch.device("cpu"))
+        with pytest.raises(ValueError, match="cu_seqlens_q_padded"):
+            sequence_index(1, local, params(padded), torch.device("cpu"), CP)

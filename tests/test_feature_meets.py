@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Optional
 
 import pytest
 import torch
@@ -90,7 +91,8 @@ def _call(fn, **kwargs):
     return fn(**{k: v for k, v in kwargs.items() if k in params})
 
 
-def _seen_by_the_loss(returns: int, num_microbatches: int, per_token: bool, cp: int):
+def _seen_by_the_loss(returns: int, num_microbatches: int, per_token: bool, cp: int,
+                      loss_scale: Optional[float] = None):
     """Megatron's own forward and backward step (``schedules.forward_step`` /
     ``backward_step``, what every schedule runs per micro-batch on the last stage) over a model
     whose output is a scalar loss formed inside it; the gradient that loss received, and what
@@ -104,6 +106,8 @@ def _seen_by_the_loss(returns: int, num_microbatches: int, per_token: bool, cp: 
     model = build_tiny_model(cfg)
     model.config.calculate_per_token_loss = per_token
     model.config.context_parallel_size = cp  # what the schedules' cp_group_size is, with CP
+    if loss_scale is not None:  # the optimizer's scale_loss: a device scalar times the loss
+        model.config.grad_scale_func = lambda loss: torch.tensor(loss_scale) * loss
     batch = tiny_batch(cfg)
     seen = []
 
@@ -129,19 +133,22 @@ def _seen_by_the_loss(returns: int, num_microbatches: int, per_token: bool, cp: 
     return seen, megatron_upstream_grad(model.config, num_microbatches, loss_func_returns=returns)
 
 
-@pytest.mark.parametrize("cp", [1, 2])
+@pytest.mark.parametrize("cp, microbatches, loss_scale", [(1, 3, None), (2, 3, None), (3, 7, None),
+                                                        (6, 13, 3.0), (1, 5, 0.3)])
 @pytest.mark.parametrize("returns, per_token", [(2, False), (2, True), (3, True)])
-def test_megatron_upstream_grad_is_what_the_schedule_gives(returns, per_token, cp):
+def test_megatron_upstream_grad_is_what_the_schedule_gives(returns, per_token, cp, microbatches, loss_scale):
+    """Bit for bit: the kernels' backward compares the gradient it receives with ==, so the
+    declaration must be the schedule's float32 arithmetic in its order (cp=3, M=7 and a loss
+    scale of 3 or 0.3 round differently from a float64 quotient)."""
     import inspect
 
     from megatron.core.pipeline_parallel import schedules
 
     if cp > 1 and "cp_group_size" not in inspect.signature(schedules.forward_step).parameters:
         pytest.skip("this release's forward_step reads the CP size from parallel_state (CP=1 here)")
-    seen, declared = _seen_by_the_loss(returns, 3, per_token, cp)
-    # the schedule scales a float32 loss: the declared value rounded to float32, which is also
-    # how the kernels' backward compares the gradient it receives with the declaration
-    assert seen == [float(torch.tensor(declared, dtype=torch.float32))] * 3
+    seen, declared = _seen_by_the_loss(returns, microbatches, per_token, cp, loss_scale)
+    assert seen == [declared] * microbatches
+    assert torch.tensor(seen[0], dtype=torch.float32) == declared  # as the kernels compare
 
 
 def test_megatron_upstream_grad_refuses_what_cannot_be_declared():

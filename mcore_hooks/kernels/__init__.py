@@ -384,7 +384,8 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
                 "upstream_grad: declares the gradient that goes into weight_grad_accumulator in "
                 "the forward; without an accumulator leave it None"
             )
-        check_not_recomputed()
+        if torch.is_grad_enabled() and weight.requires_grad:  # else nothing is added
+            check_not_recomputed()
         upstream_grad = float(upstream_grad)
     group = parallel.group if tp > 1 else None
     return KernelParams(gl, valid, coef, int(parallel.vocab_start), group, sp, chunk_size, backend_impl,
@@ -402,7 +403,8 @@ def check_not_recomputed() -> None:
         raise ValueError(
             "upstream_grad: the loss is computed "
             + ("under saved-tensor hooks (an activation-checkpointed region, whose forward the "
-               "backward runs again)" if hooked else "inside a backward pass (a recomputation)")
+               "backward runs again, or an offloading scope, which cannot be told apart from one)"
+               if hooked else "inside a backward pass (a recomputation)")
             + ", so its weight gradient would be added into the accumulator more than once; "
             "leave upstream_grad None there (the gradient is then added in the backward, once)"
         )

@@ -28,6 +28,7 @@ that scalar. The products are cuBLAS (:mod:`.matmul`).
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Optional, Protocol
 
 import torch
@@ -74,8 +75,11 @@ def term_grads(
     where the terms do not depend on the entropy)."""
     # The derivatives are taken here, inside the forward: saved-tensor hooks of an enclosing
     # region (a non-reentrant activation checkpoint packs every saved tensor, and unpacking one
-    # re-runs the whole region) must not see this private graph, so pass-through hooks shield it.
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+    # re-runs the whole region) must not see this private graph, so pass-through hooks shield it
+    # where any are active (pushing them elsewhere would fail where hooks are disabled).
+    hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    shield = torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is) if hooked else contextlib.nullcontext()
+    with torch.enable_grad(), shield:
         lp = logprob.detach().requires_grad_()
         ent = entropy.detach().requires_grad_() if entropy is not None else None
         t = token_loss.terms(rows, lp, ent)

@@ -505,7 +505,11 @@ def megatron_upstream_grad(config: Any, num_microbatches: int, *, loss_func_retu
     left as it is under ``calculate_per_token_loss`` and otherwise divided by ``num_tokens`` (a
     data-dependent value, refused here). The backward seed is the optimizer's loss scale
     (``config.grad_scale_func``; 1 for bf16 and fp32 without a fixed ``loss_scale``). The loss
-    function must return the processor's loss itself (not scaled by anything else).
+    function must return the processor's loss itself (not scaled by anything else), and
+    ``config.context_parallel_size`` must be the schedule's CP size. The value is float32 in the
+    schedule's own order of operations, the gradient bit for bit (the kernels compare with
+    ``==``). It reads the optimizer's loss scale from the device (one synchronisation): compute
+    it once per step, outside ``forward_step``.
 
     Args:
         config: the model's ``TransformerConfig``.

@@ -19,6 +19,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from ..debug import check_values
+
 
 def _packed_offsets(packed_seq_params: Any, device: torch.device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Global ``(offsets, lengths)`` of the packed sequences of a THD batch (None otherwise):
@@ -37,6 +39,22 @@ def _sequence_of(pos: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(pos, offsets[1:], right=True).clamp(max=offsets.shape[0] - 2)
 
 
+def _check_cp_layout(offsets: torch.Tensor, total: int, cp_size: int) -> None:
+    """Megatron's CP layout of packed sequences, where it can be checked without a host sync
+    (CPU tensors, or debug checks on): every padded length a multiple of ``2 cp``, the sequences
+    covering the batch. Otherwise ranks would claim the same positions."""
+    if cp_size == 1 or not check_values(offsets):
+        return
+    lengths = offsets[1:] - offsets[:-1]
+    if bool((lengths % (2 * cp_size) != 0).any()) or int(offsets[-1]) != total:
+        raise ValueError(
+            f"packed_seq_params: under context parallelism (cp={cp_size}) each packed sequence's "
+            f"padded length must be a multiple of 2*cp = {2 * cp_size} and the sequences must "
+            f"cover all {total} tokens, as Megatron pads them (cu_seqlens_q_padded); got padded "
+            f"lengths {lengths.tolist()}"
+        )
+
+
 def cp_global_positions(
     local_len: int, cp_rank: int, cp_size: int, packed_seq_params: Any, device: torch.device
 ) -> torch.Tensor:
@@ -49,6 +67,7 @@ def cp_global_positions(
     found = _packed_offsets(packed_seq_params, device)
     offsets = (found[0] if found is not None
                else torch.tensor([0, local_len * cp_size], device=device, dtype=torch.long))
+    _check_cp_layout(offsets, local_len * cp_size, cp_size)
     local_offsets = offsets // cp_size
     seq = _sequence_of(local, local_offsets)
     chunk = (offsets[1:] - offsets[:-1])[seq] // (2 * cp_size)  # each sequence's chunk length
@@ -121,6 +140,7 @@ def sequence_index(
     shape, never a device value read on the host."""
     found = _packed_offsets(packed_seq_params, device)
     if found is not None and batch == 1:
+        _check_cp_layout(found[0], seq * cp_size, cp_size)
         offsets = found[0] // cp_size
         pos = torch.arange(seq, device=device)
         return _sequence_of(pos, offsets).unsqueeze(0), offsets.shape[0] - 1
