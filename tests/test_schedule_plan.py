@@ -216,7 +216,7 @@ def test_each_micro_batch_plan_sees_its_own_context():
 
 
 @needs_plan
-@pytest.mark.skipif(NATIVE, reason="0.18+: the plan is upstream's own (nothing added), and so is its error")
+@pytest.mark.skipif(NATIVE, reason="0.18+: the plan is upstream's own (called through), and so is its error")
 @pytest.mark.parametrize(
     "result, says",
     [
@@ -246,7 +246,7 @@ def test_classes_without_a_plan_say_so():
         cls = stock_model_class(name)
         if hasattr(cls, "build_schedule_plan"):
             continue
-        if compat.has_native_hook(cls):  # upstream's hook, upstream's class: nothing added
+        if compat.has_native_hook(cls):  # upstream's hook, no plan: upstream's error
             with pytest.raises(AttributeError, match="build_schedule_plan"):
                 model.build_schedule_plan(**tiny_batch(cfg), output_processor=DefaultProcessor())
             continue
