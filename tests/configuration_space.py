@@ -1,0 +1,414 @@
+"""The configuration space of the processors, sampled: every pair of options at least once.
+
+Each combination runs every bundled processor and both integrations under tensor parallelism
+(vocab-parallel output weight), sequence parallelism, context parallelism (Megatron's
+load-balanced layout, per packed sequence for THD), packed sequences, tied weights, scalar or
+per-sample temperatures, given or derived labels, a loss mask, and the output weight's gradient
+into ``main_grad`` (with and without a declared ``upstream_grad``) on 4 gloo CPU ranks in float32,
+and compares values and gradients with the same processor on the unsplit batch (itself checked
+against stock Megatron by the rest of the suite). A combination either matches or is refused
+before anything is written, with an error naming it. ``python tests/configuration_space.py``
+prints the matrix as the README's table.
+
+The shards are cut by loops written from Megatron's layout, independently of the library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import types
+from typing import Any, Optional
+
+import torch
+
+PROCESSORS = ("logprob", "entropy", "logprob-entropy", "ce-none", "ce-sum", "ce-mean",
+              "policy-token-mean", "policy-seq-mean-token-mean", "verl", "nemo-rl")
+# option -> values; the first value is the plain one
+OPTIONS: dict[str, tuple] = {
+    "processor": PROCESSORS,
+    "tp": (1, 2),
+    "sp": (False, True),
+    "cp": (1, 2),
+    "packed": (False, True),
+    "tied": (False, True),
+    "temperature": ("scalar", "per-sample"),
+    "labels": ("given", "derived"),
+    "loss_mask": (False, True),
+    "main_grad": ("off", "on", "declared"),
+}
+DECLARABLE = ("ce-sum", "ce-mean", "policy-token-mean", "policy-seq-mean-token-mean")
+B, S, H, V = 2, 8, 8, 32
+LENGTHS, PADDED = (5, 7), (8, 8)  # packed: real and padded (a multiple of 2 cp * tp) lengths
+UPSTREAM = 0.5  # the gradient the reduced losses receive: loss * 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class Combo:
+    processor: str
+    tp: int
+    sp: bool
+    cp: int
+    packed: bool
+    tied: bool
+    temperature: str
+    labels: str
+    loss_mask: bool
+    main_grad: str
+
+    def name(self) -> str:
+        parts = [self.processor, f"tp{self.tp}", "sp" if self.sp else "", f"cp{self.cp}",
+                 "thd" if self.packed else "bshd", "tied" if self.tied else "",
+                 "T[b]" if self.temperature == "per-sample" else "", f"labels-{self.labels}",
+                 "mask" if self.loss_mask else "", f"main_grad-{self.main_grad}"]
+        return " ".join(p for p in parts if p)
+
+
+def valid(c: dict) -> bool:
+    """Combinations that exist: SP needs TP; only the reduced losses take an upstream_grad."""
+    if c.get("sp") and c.get("tp") == 1:
+        return False
+    if c.get("main_grad") == "declared" and c.get("processor") not in (None, *DECLARABLE):
+        return False
+    return True
+
+
+def expected_refusal(c: Combo) -> Optional[str]:
+    """The error a combination must raise before anything runs (a regex), or None: exact."""
+    if c.labels == "derived" and c.cp > 1 and c.processor != "nemo-rl":
+        return "labels: must be passed .* under context parallelism"
+    return None
+
+
+def covering_set() -> list[Combo]:
+    """A deterministic set of valid combinations in which every pair of option values (that can
+    meet) appears at least once: greedy, each new row the candidate covering most uncovered pairs."""
+    names = list(OPTIONS)
+    uncovered = set()
+    for (i, a), (j, b) in itertools.combinations(enumerate(names), 2):
+        for va in OPTIONS[a]:
+            for vb in OPTIONS[b]:
+                if valid({a: va, b: vb}):
+                    uncovered.add((i, va, j, vb))
+    rng = random.Random(0)
+    rows: list[Combo] = []
+    while uncovered:
+        best, best_gain = None, -1
+        for _ in range(200):
+            cand = {n: rng.choice(OPTIONS[n]) for n in names}
+            # seed each candidate with one uncovered pair so progress never stalls (sorted: a
+            # set's order changes with the process's string hashing)
+            pending = sorted(uncovered, key=repr)
+            i, va, j, vb = pending[0] if rng.random() < 0.5 else rng.choice(pending)
+            cand[names[i]], cand[names[j]] = va, vb
+            if not valid(cand):
+                continue
+            vals = [cand[n] for n in names]
+            gain = sum((i2, vals[i2], j2, vals[j2]) in uncovered
+                       for i2, j2 in itertools.combinations(range(len(names)), 2))
+            if gain > best_gain:
+                best, best_gain = cand, gain
+        vals = [best[n] for n in names]
+        for i2, j2 in itertools.combinations(range(len(names)), 2):
+            uncovered.discard((i2, vals[i2], j2, vals[j2]))
+        rows.append(Combo(**best))
+    return rows
+
+
+def random_combos(n: int, seed: int) -> list[Combo]:
+    rng = random.Random(seed)
+    out = []
+    while len(out) < n:
+        cand = {k: rng.choice(v) for k, v in OPTIONS.items()}
+        if valid(cand):
+            out.append(Combo(**cand))
+    return out
+
+
+# --------------------------------------------------------------------------- the data and the shards
+
+
+def _data(c: Combo) -> dict:
+    g = torch.Generator().manual_seed(1234)
+    b, s = (1, sum(PADDED)) if c.packed else (B, S)
+    d = dict(b=b, s=s)
+    d["hidden"] = torch.randn(s, b, H, generator=g)
+    d["weight"] = torch.randn(V, H, generator=g) * 0.5
+    d["ids"] = torch.randint(0, V, (b, s), generator=g)
+    labels = torch.randint(0, V, (b, s), generator=g)
+    labels[0, 1] = -100
+    d["labels"] = labels
+    d["mask"] = (torch.rand(b, s, generator=g) > 0.3).float()
+    n_samples = len(PADDED) if c.packed else b
+    d["temps"] = torch.linspace(0.6, 1.4, n_samples)
+    d["old"] = -torch.rand(b, s, generator=g) * 3
+    d["adv"] = torch.randn(b, s, generator=g)
+    d["w_out"] = torch.rand(b, s, generator=g)  # weights of per-token outputs in the test's loss
+    return d
+
+
+def _packed_params():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, *itertools.accumulate(LENGTHS)], dtype=torch.int32)
+    cu_p = torch.tensor([0, *itertools.accumulate(PADDED)], dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_p,
+                           cu_seqlens_kv_padded=cu_p, max_seqlen_q=max(PADDED), max_seqlen_kv=max(PADDED))
+
+
+def _cp_positions(c: Combo, cp_rank: int) -> list[int]:
+    """The sequence positions a CP rank holds: chunks r and 2cp-1-r of every (padded) sequence."""
+    seqs = PADDED if c.packed else (S,)
+    out, start = [], 0
+    for length in seqs:
+        chunk = length // (2 * c.cp)
+        for k in (cp_rank, 2 * c.cp - 1 - cp_rank):
+            out += range(start + k * chunk, start + (k + 1) * chunk)
+        start += length
+    return out
+
+
+class _Model:
+    """What a processor learns of the model through ``compute_language_model_loss``."""
+
+    def __init__(self, cp_group: Any) -> None:
+        self.cp_group = cp_group
+
+    def compute_language_model_loss(self, labels, logits):  # pragma: no cover - never called
+        raise NotImplementedError
+
+
+def _processor(c: Combo, d: dict):
+    from mcore_hooks import (
+        EntropyProcessor,
+        FusedLogprobProcessor,
+        LinearCEProcessor,
+        LogprobEntropyProcessor,
+        PolicyLossProcessor,
+    )
+    from mcore_hooks.integrations import NemoRLLogprobProcessor, VerlFusedProcessor
+
+    t = d["temps"] if c.temperature == "per-sample" else 0.8
+    up = UPSTREAM if c.main_grad == "declared" else None
+    p = c.processor
+    if p == "logprob":
+        return FusedLogprobProcessor(temperature=t)
+    if p == "entropy":
+        return EntropyProcessor(temperature=t, mask_from_labels=True)
+    if p == "logprob-entropy":
+        return LogprobEntropyProcessor(temperature=t, as_tuple=True)
+    if p.startswith("ce-"):
+        return LinearCEProcessor(reduction=p[3:], temperature=t, upstream_grad=up)
+    if p.startswith("policy-"):
+        return PolicyLossProcessor(aggregation=p[len("policy-"):], temperature=t, upstream_grad=up)
+    if p == "verl":
+        return VerlFusedProcessor()  # the temperature comes in the context
+    return NemoRLLogprobProcessor(temperature=t)
+
+
+def _loss(c: Combo, out: Any, w_out: torch.Tensor) -> torch.Tensor:
+    """The scalar the test backpropagates: the reduced loss times UPSTREAM, or a weighted sum of
+    the per-token outputs (the weights sliced like the outputs)."""
+    p = c.processor
+    if p in ("ce-sum", "ce-mean"):
+        return out * UPSTREAM
+    if p.startswith("policy-"):
+        return out["loss"] * UPSTREAM
+    if p == "logprob-entropy":
+        return (out[0] * w_out).sum() + 0.3 * (out[1] * w_out).sum()
+    if p == "verl":
+        return (out.log_probs * w_out.reshape(-1)).sum() + 0.3 * (out.entropy * w_out.reshape(-1)).sum()
+    if p == "nemo-rl":
+        return (out * w_out[:, :-1]).sum()
+    return (out * w_out).sum()
+
+
+def _values(c: Combo, out: Any) -> list[torch.Tensor]:
+    p = c.processor
+    if p.startswith("policy-"):
+        return [out["loss"].detach(), out["logprobs"], out["entropy"]]
+    if p == "verl":
+        return [out.log_probs.detach(), out.entropy.detach()]
+    if isinstance(out, tuple):
+        return [o.detach() for o in out]
+    return [out.detach()]
+
+
+def run(c: Combo, tp_group: Any, tp_rank: int, cp_group: Any, cp_rank: int) -> dict:
+    """The processor on this rank's shard of the combination; what it returned and the
+    gradients, or the refusal's message."""
+    d = _data(c)
+    full = c.tp == 1 and c.cp == 1
+    pos = list(range(d["s"])) if c.cp == 1 else _cp_positions(c, cp_rank)
+    hidden = d["hidden"][pos]
+    if c.sp:
+        hidden = hidden.chunk(c.tp)[tp_rank]
+    hidden = hidden.clone().requires_grad_()
+    v_local = V // c.tp
+    rows = slice(tp_rank * v_local, (tp_rank + 1) * v_local) if c.tp > 1 else slice(None)
+    weight = torch.nn.Parameter(d["weight"][rows].clone())
+    layer = torch.nn.Module()
+    layer.tp_group, layer.sequence_parallel = (tp_group if c.tp > 1 else None), c.sp
+    if c.tied:
+        layer.weight = None  # the embedding's weight arrives as output_weight
+    else:
+        layer.weight = weight
+    config = types.SimpleNamespace(context_parallel_size=c.cp, gradient_accumulation_fusion=c.main_grad != "off")
+    hook = None
+    if c.main_grad != "off":
+        weight.main_grad = torch.zeros(weight.shape)
+        weight.grad_added_to_main_grad = False
+
+        def ddp_hook(param):
+            if param.grad is not None and not param.grad_added_to_main_grad:
+                param.main_grad.add_(param.grad)
+            param.grad = None
+
+        hook = weight.register_post_accumulate_grad_hook(ddp_hook)
+    labels = d["ids"] if c.processor == "nemo-rl" else d["labels"]
+    context: Any = None
+    if c.processor.startswith("policy-"):
+        context = {"old_logprobs": d["old"][:, pos], "advantages": d["adv"][:, pos]}
+    elif c.processor == "verl":
+        from mcore_hooks.integrations import FusedOutputProcessorContext
+
+        context = FusedOutputProcessorContext(temperature=d["temps"] if c.temperature == "per-sample" else 0.8)
+    model = _Model(cp_group if c.cp > 1 else None)
+    kwargs = dict(
+        hidden_states=hidden, output_layer=layer, output_weight=weight if c.tied else None,
+        labels=labels[:, pos] if (c.labels == "given" or c.processor == "nemo-rl") else None,
+        loss_mask=d["mask"][:, pos] if c.loss_mask else None, input_ids=d["ids"][:, pos],
+        position_ids=None, attention_mask=None, decoder_input=None, inference_context=None,
+        packed_seq_params=_packed_params() if c.packed else None, runtime_gather_output=None,
+        context=context, compute_language_model_loss=model.compute_language_model_loss,
+        scale_logits=lambda logits: logits, config=config,
+    )
+    try:
+        try:
+            out = _processor(c, d)(**kwargs)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            untouched = hidden.grad is None and weight.grad is None and (
+                c.main_grad == "off" or not weight.main_grad.any())
+            return {"refused": f"{type(e).__name__}: {e}", "untouched": untouched}
+        w_out = d["w_out"] if c.processor == "nemo-rl" else d["w_out"][:, pos]
+        _loss(c, out, w_out).backward()
+    finally:
+        if hook is not None:
+            hook.remove()
+    dw = weight.main_grad if c.main_grad != "off" else weight.grad
+    dw = dw.clone()
+    if c.cp > 1:
+        torch.distributed.all_reduce(dw, group=cp_group)
+    if c.tp > 1:  # the whole weight's gradient from the shards
+        parts = [torch.empty_like(dw) for _ in range(c.tp)]
+        torch.distributed.all_gather(parts, dw.contiguous(), group=tp_group)
+        dw = torch.cat(parts)
+    dh = hidden.grad
+    if c.sp:
+        parts = [torch.empty_like(dh) for _ in range(c.tp)]
+        torch.distributed.all_gather(parts, dh.contiguous(), group=tp_group)
+        dh = torch.cat(parts)
+    return {"values": _values(c, out), "dh": dh, "dw": dw, "pos": pos, "full": full}
+
+
+def check(c: Combo, got: dict, ref: dict) -> Optional[str]:
+    """None where ``got`` (this rank's run) matches ``ref`` (the unsplit run); else what differs.
+    float32 sums of a few tens of O(1) terms in another order: 1e-5 relative, 1e-6 absolute."""
+    want = expected_refusal(c)
+    if "refused" in got:
+        if want is None:
+            return f"refused unexpectedly: {got['refused']}"
+        import re
+
+        if not re.search(want, got["refused"]):
+            return f"refused with another error: {got['refused']}"
+        if not got["untouched"]:
+            return "refused after writing a gradient"
+        return None
+    if want is not None:
+        return f"ran; expected a refusal matching {want!r}"
+    pos = got["pos"]
+    per_token = not (c.processor in ("ce-sum", "ce-mean", "nemo-rl") or c.processor.startswith("policy-"))
+    for i, (a, r) in enumerate(zip(got["values"], ref["values"])):
+        if c.processor == "verl":
+            r = r.view(-1, len(ref["pos"]))[:, pos].reshape(-1)
+        elif per_token or (c.processor.startswith("policy-") and i > 0):
+            r = r[:, pos]
+        if a.shape != r.shape or not torch.allclose(a, r, rtol=1e-5, atol=1e-6):
+            return f"value {i} differs: {float((a - r).abs().max()) if a.shape == r.shape else (a.shape, r.shape)}"
+    scale = c.cp if c.processor == "nemo-rl" else 1  # NeMo RL's gather: every CP rank's loss
+    dh_ref = ref["dh"][pos] * scale
+    if not torch.allclose(got["dh"], dh_ref, rtol=1e-5, atol=1e-6):
+        return f"hidden-state gradient differs: {float((got['dh'] - dh_ref).abs().max())}"
+    if not torch.allclose(got["dw"], ref["dw"] * scale, rtol=1e-5, atol=1e-6):
+        return f"weight gradient differs: {float((got['dw'] - ref['dw'] * scale).abs().max())}"
+    return None
+
+
+def reference_of(c: Combo) -> Combo:
+    """The same processor and options on the unsplit batch (no TP, SP or CP)."""
+    return dataclasses.replace(c, tp=1, sp=False, cp=1, labels="given" if c.labels == "derived" and c.cp > 1 else c.labels)
+
+
+def run_all(combos: list[Combo]) -> list[tuple[Combo, Optional[str], Optional[str]]]:
+    """On each of 4 ranks (TP 2 x CP 2): every combination, and its reference; per combination,
+    what differs (None: matches) and the refusal (None: ran)."""
+    from megatron.core import parallel_state
+
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    cp_group = parallel_state.get_context_parallel_group()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    cp_rank = parallel_state.get_context_parallel_rank()
+    results = []
+    for c in combos:
+        got = run(c, tp_group, tp_rank, cp_group, cp_rank)
+        ref = run(reference_of(c), None, 0, None, 0)
+        if "refused" in ref:
+            problem = f"the unsplit reference was refused: {ref['refused']}"
+        else:
+            problem = check(c, got, ref)
+        results.append((c, problem, got.get("refused")))
+    return results
+
+
+def table(rows: list[tuple[Combo, Optional[str], Optional[str]]]) -> str:
+    """The README's matrix: one line per combination, exact or refused and why."""
+    lines = ["| processor | TP | SP | CP | layout | tied | temperature | labels | loss mask | main_grad | result |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c, problem, refused in rows:
+        result = ("**FAILS**: " + problem) if problem else (
+            f"refused: `{refused.split(':', 1)[1].strip()[:90]}...`" if refused else "exact")
+        lines.append(
+            f"| {c.processor} | {c.tp} | {'on' if c.sp else 'off'} | {c.cp} | {'THD' if c.packed else 'BSHD'} | "
+            f"{'yes' if c.tied else 'no'} | {c.temperature} | {c.labels} | {'yes' if c.loss_mask else 'no'} | "
+            f"{c.main_grad} | {result} |")
+    return "\n".join(lines)
+
+
+def merged(per_rank: list) -> list[tuple[Combo, Optional[str], Optional[str]]]:
+    """One row per combination from every rank's results: the first rank's problem, if any."""
+    rows = []
+    for i, (c, _, refused) in enumerate(per_rank[0]):
+        problems = [f"rank {rank}: {r[i][1]}" for rank, r in enumerate(per_rank) if r[i][1]]
+        rows.append((c, problems[0] if problems else None, refused))
+    return rows
+
+
+README_START, README_END = "<!-- configuration-space:start -->", "<!-- configuration-space:end -->"
+
+
+def readme_table() -> str:
+    import pathlib
+
+    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    return text[text.index(README_START) + len(README_START):text.index(README_END)].strip()
+
+
+if __name__ == "__main__":
+    import sys
+
+    from mcore_hooks.testing import run_on_ranks
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    print(table(merged(run_on_ranks(run_all, 4, covering_set(), tp=2, cp=2, timeout=900))))
