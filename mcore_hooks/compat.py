@@ -18,13 +18,14 @@ version strings. What lives here:
 How the backport works, and why this way: the stock ``forward`` of every supported class ends by
 calling ``self.output_layer(hidden_states, weight=output_weight, runtime_gather_output=...)`` and
 then turning the logits into the returned loss or logits. The mixin runs the *stock* ``forward``
-unchanged and, for that one call only, installs a forward pre-hook on the model's own
-``output_layer`` instance (nothing global, removed in ``finally``) that calls the processor with the
-same hidden states and weight the output layer would have used, then unwinds the stock ``forward``
-with the result. No Megatron code is copied, so embedding, decoder, sequence-parallel scatter and
-packed-sequence handling stay exactly stock; the pre-hook runs after any pre-hooks already on the
-output layer (e.g. the distributed optimizer's parameter all-gather wait), so the processor sees the
-weights the stock output layer would have seen.
+unchanged and, for that one call only, has the model's own ``output_layer`` instance (its class
+swapped for the call and back: ``__call__`` is looked up on the type; nothing global) hand the
+call to the processor, with the same hidden states and weight the output layer would have been
+called with, before any of the layer's hooks run, as upstream calls the processor instead of the
+layer; then unwinds the stock ``forward`` with the result. No Megatron code is copied, so
+embedding, decoder, sequence-parallel scatter and packed-sequence handling stay exactly stock. A
+processor that reads the weight itself runs the layer's forward pre-hooks first
+(:func:`output_layer_inputs`: the distributed optimizer's all-gather wait), as upstream's do.
 """
 
 from __future__ import annotations
@@ -279,15 +280,14 @@ def output_layer_inputs(
     runtime_gather_output=...)``; its forward pre-hooks run first (Megatron DDP's wait for the
     distributed optimizer's overlapped parameter all-gather, Megatron-FSDP's unshard) and may
     replace the arguments. A processor that reads the weight instead of calling the layer must see
-    the same, so this runs them, unless the backport is calling the processor from inside those
-    hooks, where they have run already. The weight is ``output_weight`` (tied embeddings) or the
-    layer's own, read after the hooks.
+    the same, so this runs them (once: the processor is called before the layer's hooks, natively
+    and on the backport). The weight is ``output_weight`` (tied embeddings) or the layer's own,
+    read after the hooks.
     """
     refuse_deferred_embedding_wgrad(output_layer)
     args: tuple = (hidden_states,)
     kwargs: dict = {"weight": output_weight, "runtime_gather_output": runtime_gather_output}
-    if not called_from_output_layer_pre_hook():
-        args, kwargs = run_forward_pre_hooks(output_layer, args, kwargs)
+    args, kwargs = run_forward_pre_hooks(output_layer, args, kwargs)
     hidden = args[0] if args else kwargs["input_"]
     weight = kwargs.get("weight")
     return hidden, (output_layer.weight if weight is None else weight)
@@ -611,18 +611,6 @@ def full_sequence_logits(inference_context: Any) -> Iterator[None]:
 
 # --------------------------------------------------------------------------- the backport
 
-_IN_OUTPUT_LAYER_PRE_HOOK = contextvars.ContextVar("mcore_hooks_in_output_layer_pre_hook", default=False)
-
-
-def called_from_output_layer_pre_hook() -> bool:
-    """True while the backport runs a processor from the output layer's pre-hooks.
-
-    Then the pre-hooks registered before it (e.g. the distributed optimizer's parameter all-gather
-    wait) have already run for this forward.
-    """
-    return _IN_OUTPUT_LAYER_PRE_HOOK.get()
-
-
 class _ProcessorResult(BaseException):
     """Carries the processor's result out of the stock forward.
 
@@ -635,6 +623,29 @@ class _ProcessorResult(BaseException):
         self.value = value
 
 
+# The call being intercepted, per output layer: a function of the call's (args, kwargs) that
+# raises _ProcessorResult, or returns to let the call run as usual.
+_INTERCEPT: contextvars.ContextVar[dict] = contextvars.ContextVar("mcore_hooks_intercept", default={})
+
+
+class _InterceptedCall:
+    """Put in front of an output layer's class for one stock call: ``layer(...)`` asks the
+    interception first. ``__call__`` is looked up on the type, so only the class can take it;
+    the instance's class is swapped back on the way out."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        intercept = _INTERCEPT.get().get(id(self))
+        if intercept is not None:
+            intercept(args, kwargs)
+        return super().__call__(*args, **kwargs)  # type: ignore[misc]
+
+
+@functools.lru_cache(maxsize=None)
+def _intercepted_class(cls: type) -> type:
+    return type(cls.__name__, (_InterceptedCall, cls), {"__module__": cls.__module__,
+                                                        "__qualname__": cls.__qualname__})
+
+
 def call_processor_at_output_layer(
     model: Any,
     run: Callable[[], Any],
@@ -643,44 +654,47 @@ def call_processor_at_output_layer(
     mtp_calls: "MTPCalls",
 ) -> tuple[bool, Any]:
     """Run ``run()``, a stock code path ending in ``model.output_layer(hidden, weight=...)``, with
-    ``output_processor`` called in place of the output layer.
+    ``output_processor`` called in place of that call.
 
-    For that call only, a forward pre-hook on the model's own output layer (nothing global,
-    removed on the way out) calls the processor with the hidden states and weight the layer got
-    (after any earlier pre-hooks: the distributed optimizer's all-gather wait), ``output_layer``,
-    and ``keywords()`` for upstream's other keywords, then unwinds ``run()`` with its result. The
+    For that call only, the model's own output layer (this instance: its class is swapped for
+    the call and back) hands the call to the processor before anything of the layer runs, as
+    upstream calls the processor instead of the layer: none of the layer's hooks run unless the
+    processor calls the layer (``ctx.logits()``) or reads its inputs (``ctx.output_layer_inputs()``
+    runs its forward pre-hooks, the distributed optimizer's all-gather wait among them). The
+    processor gets the hidden states and weight the layer was called with, ``output_layer``, and
+    ``keywords()`` for upstream's other keywords; ``run()`` is then unwound with its result. The
     MTP depths' output-layer calls before it (``mtp_calls``) pass through, as upstream's hook
     runs the MTP step first. Returns ``(True, result)``, or ``(False, run()'s own result)`` if
     the output layer was never reached.
     """
+    layer = model.output_layer
     fired: list[bool] = []
 
-    def call_processor(layer: Any, o_args: tuple, o_kwargs: dict) -> None:
+    def intercept(o_args: tuple, o_kwargs: dict) -> None:
         if fired:  # the processor itself may run the output layer (ctx.logits())
             return
         hidden = o_args[0] if o_args else o_kwargs.get("input_")
         if mtp_calls.depth(hidden):
             return
         fired.append(True)
-        token = _IN_OUTPUT_LAYER_PRE_HOOK.set(True)
-        try:
-            result = output_processor(
-                hidden_states=hidden,
-                output_layer=layer,
-                output_weight=o_kwargs.get("weight"),
-                **keywords(),
-            )
-        finally:
-            _IN_OUTPUT_LAYER_PRE_HOOK.reset(token)
+        result = output_processor(
+            hidden_states=hidden,
+            output_layer=layer,
+            output_weight=o_kwargs.get("weight"),
+            **keywords(),
+        )
         raise _ProcessorResult(result)
 
-    handle = model.output_layer.register_forward_pre_hook(call_processor, with_kwargs=True)
+    stock_class = type(layer)
+    token = _INTERCEPT.set({**_INTERCEPT.get(), id(layer): intercept})
+    layer.__class__ = _intercepted_class(stock_class)
     try:
         return False, run()
     except _ProcessorResult as done:
         return True, done.value
     finally:
-        handle.remove()
+        layer.__class__ = stock_class
+        _INTERCEPT.reset(token)
 
 
 class BackportHookMixin:

@@ -136,8 +136,8 @@ class PostprocessContext:
         the weight itself rather than calling ``output_layer``: it runs the layer's forward
         pre-hooks as calling the layer would (the distributed optimizer's wait for the overlapped
         parameter all-gather, Megatron-FSDP's unshard; their return values honoured), so the
-        weight is never stale. On the backport, where the processor is called from inside those
-        hooks, they are not run twice.
+        weight is never stale. The processor is called before any of the layer's hooks run
+        (natively and on the backport), so they run once, here.
 
         Returns:
             ``(hidden_states, weight)`` after the output layer's forward pre-hooks.

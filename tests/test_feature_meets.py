@@ -238,3 +238,41 @@ def test_an_mxfp8_lm_head_is_named():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         FusedLogprobProcessor()(**kw)
+
+
+# --------------------------------------------------------------------------- the output layer's hooks
+
+
+@pytest.mark.parametrize("how", ["ignores-layer", "reads-weight", "calls-layer"])
+def test_the_output_layers_hooks_run_as_upstreams(how):
+    """Upstream calls the processor instead of the output layer: none of the layer's hooks run
+    unless the processor calls it (1 pre, 1 post) or reads its inputs (``ctx.output_layer_inputs()``:
+    the pre-hooks once, as the distributed optimizer's all-gather wait needs). On 0.18+ this
+    measures upstream itself; on the backport, which called the processor from a pre-hook, the
+    counts were 1/0 and 2/1 (a Megatron-FSDP unshard without its reshard)."""
+    from mcore_hooks import PostprocessProcessor
+
+    class Processor(PostprocessProcessor):
+        def process(self, ctx):
+            if how == "calls-layer":
+                return ctx.logits().sum()
+            if how == "reads-weight":
+                hidden, weight = ctx.output_layer_inputs()
+                return (hidden.float() @ weight.float().t()).sum()
+            return ctx.hidden_states.sum()
+
+    cfg = TinyModelConfig(tied=False)
+    model = enable_output_processor(build_tiny_model(cfg))
+    counts = {"pre": 0, "post": 0}
+    handles = [
+        model.output_layer.register_forward_pre_hook(lambda *_: counts.__setitem__("pre", counts["pre"] + 1)),
+        model.output_layer.register_forward_hook(lambda *_: counts.__setitem__("post", counts["post"] + 1)),
+    ]
+    try:
+        model(**tiny_batch(cfg), output_processor=Processor())
+    finally:
+        for h in handles:
+            h.remove()
+    expected = {"ignores-layer": (0, 0), "reads-weight": (1, 0), "calls-layer": (1, 1)}[how]
+    assert (counts["pre"], counts["post"]) == expected
+    assert type(model.output_layer).__name__ == "ColumnParallelLinear"  # its class is back
