@@ -174,12 +174,29 @@ def run_on_ranks(
     traceback is raised. After ``timeout`` seconds all ranks are killed and a ``RuntimeError``
     saying which ranks did not finish is raised: it never hangs.
     """
-    import torch.multiprocessing as mp
-
     tp = world_size if tp is None else tp
     if world_size < 1 or world_size % (tp * cp) != 0:
         raise ValueError(f"world_size={world_size} is not a positive multiple of tp*cp={tp * cp}")
     payload = pickle.dumps((fn, args, kwargs))  # fail here, not in a child, if unpicklable
+    for attempt in range(3):
+        try:
+            return _run_once(fn, world_size, tp, cp, timeout, payload)
+        except _PortTaken:
+            # the free port was taken by another process before rank 0 listened on it (a race
+            # of the free-port probe, seen with test runs side by side): nothing ran; again
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class _PortTaken(RuntimeError):
+    """Rank 0 could not listen on the port chosen: the group never formed, ``fn`` never ran."""
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, tp: int, cp: int, timeout: float,
+              payload: bytes) -> list[Any]:
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
@@ -221,6 +238,8 @@ def run_on_ranks(
                 else:
                     continue
             if status == "err":
+                if "EADDRINUSE" in data and "init_process_group" in data:
+                    raise _PortTaken(data)
                 note = ""
                 time.sleep(0.2)  # let a rank whose death caused this error be seen as dead
                 dead = [r for r in _dead_silent_ranks(procs, outputs) if r != rank]
