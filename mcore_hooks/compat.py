@@ -762,7 +762,8 @@ class BackportHookMixin:
         if getattr(model, "decoder", None) is not None:
             handle = model.decoder.register_forward_pre_hook(capture_decoder_input, with_kwargs=True)
         try:
-            with MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss_of(output_processor), calls):
+            with MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss_of(output_processor), calls,
+                                                         a.get("labels")):
                 called, out = call_processor_at_output_layer(
                     model, run, output_processor, keywords, calls
                 )
@@ -826,7 +827,9 @@ class NativeHookMixin:
         if output_processor is not None:
             check_output_processor(output_processor)
         model: Any = self
-        with MTPCalls(model) as calls, mtp_loss_hook(model, native_mtp_loss(model, output_processor), calls):
+        mtp_loss = native_mtp_loss(model, output_processor)
+        labels = inspect.signature(native).bind_partial(*args, **kwargs).arguments.get("labels") if mtp_loss else None
+        with MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss, calls, labels):
             return native(*args, output_processor=output_processor,
                           output_processor_context=output_processor_context, **kwargs)
 

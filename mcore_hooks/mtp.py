@@ -31,6 +31,7 @@ for the class's, and are removed afterwards:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import types
 from typing import Any, Callable, Iterator, NamedTuple, Optional
@@ -271,13 +272,26 @@ class DeferredLogits:
         )
 
 
+_ABSENT = object()
+_LABELS_GIVEN: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("mcore_hooks_labels_given", default=None)
+
+
+def labels_given() -> Optional[bool]:
+    """Inside an MTP loss: whether the model's forward got ``labels`` (False: Megatron derived
+    the depths' labels from ``input_ids``, 0.19+); None where not known."""
+    return _LABELS_GIVEN.get()
+
+
 @contextlib.contextmanager
-def mtp_loss_hook(model: Any, mtp_loss: Optional[MTPLossFn], calls: "compat.MTPCalls") -> Iterator[None]:
+def mtp_loss_hook(model: Any, mtp_loss: Optional[MTPLossFn], calls: "compat.MTPCalls",
+                  labels: Any = _ABSENT) -> Iterator[None]:
     """Within the block, the model's MTP depths compute their loss with ``mtp_loss`` (see the
-    module docstring); a no-op when ``mtp_loss`` is None. Restored on exit."""
+    module docstring); a no-op when ``mtp_loss`` is None. Restored on exit. ``labels``: the
+    forward's, for :func:`labels_given`."""
     if mtp_loss is None or not calls.num_depths:
         yield
         return
+    token = _LABELS_GIVEN.set(None if labels is _ABSENT else labels is not None)
     layer = model.output_layer
     stock_forward = layer.forward
     stock_loss = model.compute_language_model_loss
@@ -308,6 +322,7 @@ def mtp_loss_hook(model: Any, mtp_loss: Optional[MTPLossFn], calls: "compat.MTPC
     try:
         yield
     finally:
+        _LABELS_GIVEN.reset(token)
         for obj, name, original in saved:
             if original is _ABSENT:
                 delattr(obj, name)
@@ -315,4 +330,3 @@ def mtp_loss_hook(model: Any, mtp_loss: Optional[MTPLossFn], calls: "compat.MTPC
                 setattr(obj, name, original)
 
 
-_ABSENT = object()

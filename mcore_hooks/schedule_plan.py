@@ -119,7 +119,8 @@ def attach_processor(
     def forward_func(hidden_states: torch.Tensor) -> Any:
         from .mtp import mtp_loss_hook, mtp_loss_of
 
-        with compat.MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss_of(output_processor), calls):
+        with compat.MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss_of(output_processor), calls,
+                                                            state.labels):
             called, result = compat.call_processor_at_output_layer(
                 model, lambda: stock_forward_func(hidden_states), output_processor, keywords, calls
             )
@@ -152,10 +153,10 @@ def attach_native(model: Any, plan: Any, output_processor: Any) -> Any:
     mtp_loss = compat.native_mtp_loss(model, output_processor)
     if mtp_loss is None:
         return plan
-    stock_forward_func = node.forward_func
+    stock_forward_func, state = node.forward_func, plan.state
 
     def forward_func(hidden_states: torch.Tensor) -> Any:  # captures no node (see above)
-        with compat.MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss, calls):
+        with compat.MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss, calls, state.labels):
             return stock_forward_func(hidden_states)
 
     node.forward_func = forward_func

@@ -256,7 +256,7 @@ def test_nemo_rl_processor_context_parallel_2():
         torch.testing.assert_close(dh, ref, rtol=1e-5, atol=1e-7)
 
 
-def test_nemo_rl_processor_refuses_mtp_before_any_loss():
+def test_nemo_rl_processor_refuses_mtp_with_unshifted_labels():
     """NeMo RL's labels=input_ids are unshifted; Megatron's MTP rolls labels as shifted ones, so
     the depths would learn the token they are fed: refused at the first depth, no gradient."""
     cfg = TinyModelConfig(mtp_num_layers=1, tied=False)
@@ -264,9 +264,62 @@ def test_nemo_rl_processor_refuses_mtp_before_any_loss():
     batch = tiny_batch(cfg)
     ids = batch.pop("input_ids")
     batch.pop("labels", None)
-    with pytest.raises(ValueError, match="NemoRLLogprobProcessor with multi-token prediction"):
+    with pytest.raises(ValueError, match="NemoRLLogprobProcessor with multi-token prediction: called with labels"):
         model(input_ids=ids, labels=ids, **batch, output_processor=NemoRLLogprobProcessor())
     assert all(p.grad is None for p in model.parameters())
+
+
+def _derives_mtp_labels() -> bool:
+    import inspect
+
+    from megatron.core.transformer import multi_token_prediction as mtp
+
+    f = getattr(mtp, "process_mtp_loss", None)
+    return f is not None and "input_ids" in inspect.signature(f).parameters
+
+
+@pytest.mark.skipif(not _derives_mtp_labels(), reason="Megatron Core < 0.19 cannot derive MTP labels from input_ids")
+def test_nemo_rl_processor_with_mtp_as_nemo_rl_runs_it():
+    """NeMo RL's own non-fused call with MTP: labels=None, loss_mask = token mask (unshifted);
+    Megatron derives the depths' targets from input_ids. The processor's fused MTP loss equals
+    stock MTP there (the tracker and every MTP-block gradient), its log-probs stock's."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    cfg = TinyModelConfig(mtp_num_layers=2, tied=False)
+    stock = build_tiny_model(cfg)
+    model = enable_output_processor(build_tiny_model(cfg))
+    model.load_state_dict(stock.state_dict())
+    batch = tiny_batch(cfg)
+    ids = batch.pop("input_ids")
+    batch.pop("labels", None)
+    batch.pop("loss_mask", None)
+    g = torch.Generator().manual_seed(3)
+    mask = (torch.rand(ids.shape, generator=g) > 0.2).float()
+    w = torch.rand(ids.shape[0], ids.shape[1] - 1, generator=g)
+    results = []
+    for m, fused in ((stock, False), (model, True)):
+        MTPLossLoggingHelper.tracker.clear()
+        m.train()
+        if fused:
+            lp = m(input_ids=ids, labels=None, loss_mask=mask, **batch,
+                   output_processor=NemoRLLogprobProcessor(temperature=T))
+        else:
+            logits = m(input_ids=ids, labels=None, loss_mask=mask, **batch)
+            logp = torch.log_softmax(logits.float() / T, dim=-1)
+            lp = logp[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        (lp * w).sum().backward()
+        tracked = {k: v.clone() for k, v in MTPLossLoggingHelper.tracker.items() if torch.is_tensor(v)}
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        results.append((lp.detach(), tracked, grads))
+    MTPLossLoggingHelper.tracker.clear()
+    (lp_s, tr_s, g_s), (lp_f, tr_f, g_f) = results
+    torch.testing.assert_close(lp_f, lp_s, rtol=1e-5, atol=1e-5)
+    assert tr_s.keys() == tr_f.keys() and tr_s
+    for k in tr_s:
+        torch.testing.assert_close(tr_f[k], tr_s[k], rtol=1e-5, atol=1e-5)
+    mtp_params = [n for n in g_s if n.startswith("mtp.")]
+    assert mtp_params and g_s.keys() == g_f.keys()
+    _close_grads(g_f, g_s)
 
 
 def test_the_package_exports_both_processors():

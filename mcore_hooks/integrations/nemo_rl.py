@@ -32,11 +32,13 @@ The same inputs (``labels=input_ids``) and output (``[B, S-1]``) as the patch, p
   gathered as NeMo RL's ``AllGatherCPTensor`` gathers it (its backward all-reduces the gradient
   over the CP group and keeps this rank's chunks); with packed batches, each packed sequence is
   laid out that way (NeMo RL requires packing whenever CP > 1);
-* multi-token prediction is refused (a ``ValueError`` from the first MTP depth, before any
-  loss is formed): Megatron's MTP takes ``labels`` as already shifted and rolls them once more
-  per depth, so with NeMo RL's unshifted ``labels=input_ids`` depth ``k`` would learn
-  ``input_ids[t + k]``, the token it is fed, and its token count (Megatron's rolled
-  ``loss_mask``) is one too many per sequence; NeMo RL's own fused path skips the MTP step.
+* multi-token prediction as NeMo RL's own non-fused path runs it: the model called with
+  ``labels=None`` and ``loss_mask=token_mask * sample_mask`` (unshifted), Megatron Core 0.19+
+  derives each depth's targets from ``input_ids`` (and rolls the mask, and rescales), and the
+  depths' loss takes the fused kernel. With ``labels=input_ids`` and MTP on it is refused (a
+  ``ValueError`` from the first depth, before any loss is formed): Megatron's MTP takes
+  ``labels`` as already shifted and rolls them once more per depth, so depth ``k`` would learn
+  ``input_ids[t + k]``, the token it is fed. (NeMo RL's own fused path skips the MTP step.)
 
 NeMo RL itself is not needed to import this module.
 """
@@ -49,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from .. import compat
-from ..mtp import MTPDepth, MTPLoss
+from ..mtp import MTPDepth, MTPLoss, labels_given
 from ..postprocess import PostprocessContext
 from ..processors.fused import _FusedProcessor
 from ..processors.labels import cp_global_positions, labels_from_input_ids
@@ -82,14 +84,20 @@ class NemoRLLogprobProcessor(_FusedProcessor):
         self._set_options(temperature, ignore_index, chunk_size, backend)
 
     def mtp_loss(self, depth: MTPDepth) -> MTPLoss:
-        """Refused: see the module docstring (the depths would train on the wrong targets)."""
-        raise ValueError(
-            "NemoRLLogprobProcessor with multi-token prediction: NeMo RL passes labels=input_ids "
-            "(unshifted), but Megatron's MTP takes labels as next-token labels and rolls them "
-            "once more per depth, so each depth would learn the token it is fed, normalised over "
-            "one token too many per sequence. Turn MTP off (mtp_num_layers=None) for this "
-            "processor, or pass shifted labels with LogprobEntropyProcessor"
-        )
+        """The fused MTP loss where the model got no ``labels`` (Megatron 0.19+ derives each
+        depth's targets from ``input_ids``: NeMo RL's own non-fused call); refused with NeMo RL's
+        unshifted ``labels=input_ids`` (see the module docstring)."""
+        if labels_given() is not False:
+            raise ValueError(
+                "NemoRLLogprobProcessor with multi-token prediction: called with labels "
+                "(NeMo RL's labels=input_ids are unshifted), but Megatron's MTP takes labels as "
+                "next-token labels and rolls them once more per depth, so each depth would learn "
+                "the token it is fed, over one token too many per sequence. Call the model with "
+                "labels=None and loss_mask=token_mask * sample_mask, as NeMo RL's non-fused path "
+                "does (Megatron Core 0.19+ derives the depths' targets from input_ids), or turn "
+                "MTP off"
+            )
+        return super().mtp_loss(depth)
 
     def labels(self, ctx: PostprocessContext) -> torch.Tensor:
         """The next token of each position of ``labels`` (``input_ids``), per sequence when
