@@ -143,20 +143,24 @@ class PerTokenLoss:
                  input_names: Optional[tuple[str, ...]]) -> None:
         self.fn, self.needs_entropy, self.input_names = fn, needs_entropy, input_names
 
+    def check_inputs(self, inputs: Mapping[str, Any], what: str = "inputs") -> None:
+        """ValueError naming ``what`` unless ``inputs`` has exactly the names the loss takes
+        (anything goes for a function whose names are not known)."""
+        if self.input_names is None or set(inputs) == set(self.input_names):
+            return
+        missing = [k for k in self.input_names if k not in inputs]
+        extra = [k for k in inputs if k not in self.input_names]
+        parts = ([f"missing {', '.join(map(repr, missing))}"] if missing else []) + (
+            [f"unexpected {', '.join(map(repr, extra))}"] if extra else [])
+        raise ValueError(f"{what}: {'; '.join(parts)} (the loss takes "
+                         f"{', '.join(map(repr, self.input_names))})")
+
     def bind(self, token_weight: torch.Tensor, inputs: Mapping[str, torch.Tensor],
              valid: torch.Tensor) -> "_BoundPerTokenLoss":
         """This call's :class:`~.autograd.TokenLoss`: ``sum_i token_weight_i * fn(...)_i``. Inputs
         at positions that do not count (weight 0 or ignored) are replaced by 0 first, so padding
         that holds NaN or garbage contributes neither a value nor a gradient."""
-        if self.input_names is not None:
-            missing = [k for k in self.input_names if k not in inputs]
-            if missing:
-                raise ValueError(f"inputs: missing {', '.join(map(repr, missing))} (the loss takes "
-                                 f"{', '.join(map(repr, self.input_names))})")
-            extra = [k for k in inputs if k not in self.input_names]
-            if extra:
-                raise ValueError(f"inputs: unexpected {', '.join(map(repr, extra))} (the loss takes "
-                                 f"{', '.join(map(repr, self.input_names))})")
+        self.check_inputs(inputs)
         counts = valid & (token_weight != 0)
         for name, t in inputs.items():
             if check_values(t) and not bool(torch.isfinite(t[counts]).all()):

@@ -468,15 +468,7 @@ class PolicyLossProcessor(_FusedProcessor):
             num_sequences=num_sequences, group=_cp_group(ctx),
         )
         given = self.policy_inputs(ctx)
-        names = self.loss.input_names
-        if names is not None and set(given) != set(names):
-            missing, extra = [k for k in names if k not in given], [k for k in given if k not in names]
-            raise ValueError(
-                "output_processor_context: "
-                + "; ".join(([f"missing {', '.join(map(repr, missing))}"] if missing else [])
-                            + ([f"unexpected {', '.join(map(repr, extra))}"] if extra else []))
-                + f" (the loss takes {', '.join(map(repr, names))}, each [b, s])"
-            )
+        self.loss.check_inputs(given, "output_processor_context")
         inputs = {}
         for name, t in given.items():
             if not isinstance(t, torch.Tensor) or t.shape != (b, s):
