@@ -83,7 +83,7 @@ def verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[i
         from .verify import format_table, merge_ranks, to_json
 
         tiny = TinyModelConfig()
-        uneven = [n for n in args.tp if tiny.vocab_size % n or tiny.num_attention_heads % n]
+        uneven = [n for n in args.tp if not tiny.splits_over(n)]
         if uneven:
             parser.error(
                 f"--tp {' '.join(map(str, uneven))}: the tiny models' {tiny.num_attention_heads} "

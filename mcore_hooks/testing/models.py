@@ -49,6 +49,11 @@ class TinyModelConfig:
     mtp_num_layers: int = 0  # multi-token prediction depths (GPTModel; HybridModel 0.18+; 0: off)
     mtp_detach_heads: bool = False  # Megatron Core 0.19+
 
+    def splits_over(self, tp: int) -> bool:
+        """Whether the vocabulary and the attention heads split evenly over ``tp`` ranks (no
+        vocabulary padding is done)."""
+        return self.vocab_size % tp == 0 and self.num_attention_heads % tp == 0
+
 
 def available_model_classes() -> tuple[str, ...]:
     """Which of ``"gpt"``, ``"hybrid"``, ``"mamba"`` the installed Megatron Core provides."""
@@ -297,7 +302,7 @@ def build_tiny_model(cfg: TinyModelConfig, model_cls: Optional[type] = None) -> 
             "context parallelism needs TEDotProductAttention (Transformer Engine, CUDA); the CPU "
             "core attention does not implement it"
         )
-    if cfg.vocab_size % tp or cfg.num_attention_heads % tp:
+    if not cfg.splits_over(tp):
         raise ValueError(
             f"vocab_size={cfg.vocab_size} and num_attention_heads={cfg.num_attention_heads} "
             f"must be divisible by the tensor-parallel size {tp}"
