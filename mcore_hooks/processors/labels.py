@@ -22,11 +22,15 @@ import torch
 from ..debug import check_values
 
 
+def _is_thd(packed_seq_params: Any) -> bool:
+    return getattr(packed_seq_params, "qkv_format", None) == "thd"
+
+
 def _packed_offsets(packed_seq_params: Any, device: torch.device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """Global ``(offsets, lengths)`` of the packed sequences of a THD batch (None otherwise):
     sequence ``i`` occupies global positions ``[offsets[i], offsets[i + 1])``, padding included
     (``cu_seqlens_q_padded`` when given), and has ``lengths[i]`` real tokens."""
-    if packed_seq_params is None or getattr(packed_seq_params, "qkv_format", None) != "thd":
+    if not _is_thd(packed_seq_params):
         return None
     cu = packed_seq_params.cu_seqlens_q.to(device=device, dtype=torch.long)
     padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
@@ -117,17 +121,12 @@ def per_token_temperature(
         temperature = temperature.to(device)
     if temperature.dim() != 1:
         raise ValueError(f"temperature: expected a float or a 1-D tensor, got shape {tuple(temperature.shape)}")
-    if _packed_offsets(packed_seq_params, temperature.device) is not None and batch == 1:
-        ids, num_sequences = sequence_index(batch, seq, packed_seq_params, temperature.device, cp_size)
-        if temperature.shape[0] != num_sequences:
-            raise ValueError(
-                f"temperature: expected one per packed sequence ({num_sequences}), got "
-                f"{temperature.shape[0]}"
-            )
-        return temperature[ids.view(-1)]
-    if temperature.shape[0] != batch:
-        raise ValueError(f"temperature: expected one per sample ({batch}), got {temperature.shape[0]}")
-    return temperature.unsqueeze(0).expand(seq, batch).reshape(-1)
+    ids, num_sequences = sequence_index(batch, seq, packed_seq_params, temperature.device, cp_size)
+    if temperature.shape[0] != num_sequences:
+        per = "packed sequence" if batch == 1 and _is_thd(packed_seq_params) else "sample"
+        raise ValueError(f"temperature: expected one per {per} ({num_sequences}), got {temperature.shape[0]}")
+    return temperature[ids.t().reshape(-1)]  # [s, b] order, like the tokens'
+
 
 
 def sequence_index(
