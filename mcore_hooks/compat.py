@@ -346,9 +346,7 @@ def main_grad_route(weight: torch.Tensor, config: Any) -> tuple[torch.Tensor, di
                                                 placeholder_weight_grad=True)
 
 
-def schedule_loss_gradient(
-    config: Any, num_microbatches: int, *, loss_func_returns: int = 2, cp_size: Optional[int] = None
-) -> float:
+def schedule_loss_gradient(config: Any, num_microbatches: int, *, loss_func_returns: int = 2) -> float:
     """The gradient Megatron Core's schedules give the loss a ``loss_func`` returns (every release
     0.13-0.19, ``forward_step`` / ``forward_step_calc_loss`` then ``backward_step``).
 
@@ -388,7 +386,7 @@ def schedule_loss_gradient(
                 "calculate_per_token_loss, or leave upstream_grad None"
             )
         return float(seed)
-    cp = int(getattr(config, "context_parallel_size", 1) or 1) if cp_size is None else cp_size
+    cp = int(getattr(config, "context_parallel_size", 1) or 1)
     # the backward of the schedule's in-place `loss *= cp; loss /= M` under the seed, in float32
     # and in its order: an exact declaration, compared with == in the kernels' backward
     return float(seed / num_microbatches * cp)
@@ -403,12 +401,9 @@ def _stock_scale_logits() -> Optional[Callable[..., Any]]:
     return getattr(LanguageModule, "_scale_logits", None)
 
 
-def identity_scale_logits(logits: torch.Tensor) -> torch.Tensor:
-    """``scale_logits`` on releases whose stock forward applies no MuP output scaling (< 0.17)."""
-    return logits
-
-
-def _unscaled(model: Any, logits: torch.Tensor) -> torch.Tensor:
+def identity_scale_logits(model: Any, logits: torch.Tensor) -> torch.Tensor:
+    """``scale_logits`` on releases whose stock forward applies no MuP output scaling (< 0.17),
+    bound to the model as upstream's ``_scale_logits`` is (:func:`scale_logits_of`)."""
     return logits
 
 
@@ -419,7 +414,7 @@ def scale_logits_of(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Te
     bound to the model all the same, so ``scale_logits.__self__`` is the model on every release,
     as a processor written against upstream's hook may rely on."""
     bound = getattr(model, "_scale_logits", None)
-    return bound if bound is not None else types.MethodType(_unscaled, model)
+    return bound if bound is not None else types.MethodType(identity_scale_logits, model)
 
 
 def logit_scale(scale_logits: Callable[[torch.Tensor], torch.Tensor], config: Any) -> float:
@@ -429,7 +424,7 @@ def logit_scale(scale_logits: Callable[[torch.Tensor], torch.Tensor], config: An
     ``config.mup_output_mult`` when ``config.use_mup``: read from the config. Any other callable
     is probed once on a float64 pair; ValueError if it is not a constant factor.
     """
-    if scale_logits is identity_scale_logits or getattr(scale_logits, "__func__", None) is _unscaled:
+    if getattr(scale_logits, "__func__", None) is identity_scale_logits:
         return 1.0
     stock = _stock_scale_logits()
     if stock is not None and getattr(scale_logits, "__func__", None) is stock:

@@ -513,7 +513,7 @@ def test_logit_scale_is_read_from_megatrons_config():
 
     cfg = TinyModelConfig(tied=False)
     model = _hooked(cfg)
-    assert compat.logit_scale(compat.identity_scale_logits, model.config) == 1.0
+    assert compat.logit_scale(types.MethodType(compat.identity_scale_logits, model), model.config) == 1.0
     assert compat.logit_scale(lambda t: t * 0.25, model.config) == 0.25  # other callables: probed
     with pytest.raises(ValueError, match="not a constant factor"):
         compat.logit_scale(lambda t: t**2, model.config)

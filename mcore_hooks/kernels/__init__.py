@@ -21,7 +21,7 @@ import torch
 
 from ..compat import group_rank_size
 from ..debug import check_values
-from .autograd import Backend, LinearFusedLoss, LinearLogSoftmaxStats, TokenLoss
+from .autograd import Backend, LinearFusedLoss, LinearLogSoftmaxStats, TokenLoss, saved_tensor_hooks_active
 from .losses import PerTokenLoss, PolicyLoss, PolicyLossResult, WeightedNLL, aggregation_weights, per_token_loss
 from .options import KernelParams, VocabParallel
 from .torch_chunked import TorchChunked
@@ -398,7 +398,7 @@ def check_not_recomputed() -> None:
     (its saved-tensor hooks are active, and the backward re-runs the region) or in a backward
     pass (a recomputation). Without ``upstream_grad`` the gradient is added in the backward,
     which runs once, so that mode stays exact there."""
-    hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    hooked = saved_tensor_hooks_active()
     if hooked or torch._C._current_graph_task_id() != -1:
         raise ValueError(
             "upstream_grad: the loss is computed "

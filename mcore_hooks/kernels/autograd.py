@@ -68,6 +68,12 @@ def _as_is(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def saved_tensor_hooks_active() -> bool:
+    """Whether default saved-tensor hooks are on (an activation-checkpointed region, an
+    offloading scope)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 def term_grads(
     token_loss: TokenLoss, rows: slice, logprob: torch.Tensor, entropy: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -77,7 +83,7 @@ def term_grads(
     # region (a non-reentrant activation checkpoint packs every saved tensor, and unpacking one
     # re-runs the whole region) must not see this private graph, so pass-through hooks shield it
     # where any are active (pushing them elsewhere would fail where hooks are disabled).
-    hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    hooked = saved_tensor_hooks_active()
     shield = torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is) if hooked else contextlib.nullcontext()
     with torch.enable_grad(), shield:
         lp = logprob.detach().requires_grad_()
