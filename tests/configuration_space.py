@@ -22,6 +22,7 @@ import types
 from typing import Any, Optional
 
 import torch
+from ddp_like import ddp_like
 
 PROCESSORS = ("logprob", "entropy", "logprob-entropy", "ce-none", "ce-sum", "ce-mean",
               "policy-token-mean", "policy-seq-mean-token-mean", "verl", "nemo-rl")
@@ -257,15 +258,7 @@ def run(c: Combo, tp_group: Any, tp_rank: int, cp_group: Any, cp_rank: int) -> d
     config = types.SimpleNamespace(context_parallel_size=c.cp, gradient_accumulation_fusion=c.main_grad != "off")
     hook = None
     if c.main_grad != "off":
-        weight.main_grad = torch.zeros(weight.shape)
-        weight.grad_added_to_main_grad = False
-
-        def ddp_hook(param):
-            if param.grad is not None and not param.grad_added_to_main_grad:
-                param.main_grad.add_(param.grad)
-            param.grad = None
-
-        hook = weight.register_post_accumulate_grad_hook(ddp_hook)
+        hook = ddp_like(weight)
     labels = d["ids"] if c.processor == "nemo-rl" else d["labels"]
     context: Any = None
     if c.processor.startswith("policy-"):

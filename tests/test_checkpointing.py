@@ -18,6 +18,8 @@ from mcore_hooks import LinearCEProcessor, PolicyLossProcessor
 from mcore_hooks.kernels import PolicyLoss, linear_policy_loss
 from mcore_hooks.testing import hook_keywords
 
+from ddp_like import ddp_like
+
 CFG = PolicyLoss(clip_low=0.2, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01)
 
 
@@ -58,19 +60,6 @@ def test_the_region_runs_once_and_the_gradients_are_exact(reentrant):
         assert torch.equal(a, b)
 
 
-def _ddp_like(weight):
-    weight.main_grad = torch.zeros(weight.shape)
-    weight.grad_added_to_main_grad = False
-    weight.zero_out_wgrad = False
-
-    def hook(param):
-        if param.grad is not None and not param.grad_added_to_main_grad:
-            param.main_grad.add_(param.grad)
-        param.grad = None
-
-    return weight.register_post_accumulate_grad_hook(hook)
-
-
 @pytest.mark.parametrize("make", [
     lambda up: PolicyLossProcessor(loss=CFG, upstream_grad=up),
     lambda up: LinearCEProcessor(reduction="mean", upstream_grad=up),
@@ -90,7 +79,7 @@ def test_main_grad_inside_a_checkpointed_region(make):
     config = types.SimpleNamespace(context_parallel_size=1, gradient_accumulation_fusion=True)
 
     def run(processor, use_checkpoint):
-        handle = _ddp_like(layer.weight)
+        handle = ddp_like(layer.weight)
         hr = hidden.clone().requires_grad_()
 
         def region(hh):
@@ -113,7 +102,7 @@ def test_main_grad_inside_a_checkpointed_region(make):
     dec_w, _ = run(make(0.5), False)
     assert ((dec_w - ref_w).norm() / ref_w.norm()) < 1e-6
     # ... refused inside one, with main_grad untouched
-    handle = _ddp_like(layer.weight)
+    handle = ddp_like(layer.weight)
     try:
         kw = hook_keywords(hidden.clone().requires_grad_(), layer, labels=labels, context=ctx)
         kw["config"] = config
@@ -134,7 +123,7 @@ def test_a_declared_upstream_grad_in_a_reentrant_recomputation_is_refused():
     hidden = torch.randn(s, b, h, generator=g, requires_grad=True)
     labels = torch.randint(0, v, (b, s), generator=g)
     config = types.SimpleNamespace(context_parallel_size=1, gradient_accumulation_fusion=True)
-    handle = _ddp_like(layer.weight)
+    handle = ddp_like(layer.weight)
     try:
         def region(hh):
             kw = hook_keywords(hh, layer, labels=labels)

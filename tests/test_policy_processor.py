@@ -19,6 +19,7 @@ from mcore_hooks.testing import (
     supports_packed_sequences,
     tiny_batch,
 )
+from ddp_like import ddp_like
 from test_policy_loss import _verl_agg, _verl_terms
 
 pytestmark = pytest.mark.usefixtures("mp1")
@@ -175,21 +176,6 @@ def test_errors_name_the_argument():
         PolicyLossProcessor()(**hook_keywords(h, layer, labels=labels, context=bad))
 
 
-def _ddp_like(weight, zero_out_wgrad):
-    """Megatron DDP's view of a parameter: main_grad, the flags, and its hook after the
-    gradient's accumulation (add .grad into main_grad unless already added there)."""
-    weight.main_grad = torch.zeros(weight.shape)
-    weight.grad_added_to_main_grad = False
-    weight.zero_out_wgrad = zero_out_wgrad
-
-    def hook(param):
-        if param.grad is not None and (not param.grad_added_to_main_grad or param.zero_out_wgrad):
-            param.main_grad.add_(param.grad)
-        param.grad = None
-
-    return weight.register_post_accumulate_grad_hook(hook)
-
-
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("make", [
     lambda: PolicyLossProcessor(loss=CFG),
@@ -227,7 +213,7 @@ def test_gradient_accumulation_fusion_adds_into_main_grad(tied, make):
 
     results = {}
     for fused in (False, True):
-        handle = _ddp_like(layer.weight, zero_out_wgrad=tied)
+        handle = ddp_like(layer.weight, zero_out_wgrad=tied)
         dh = [step(fused, seed) for seed in (1, 2)]
         results[fused] = (layer.weight.main_grad.clone(), dh, layer.weight.grad_added_to_main_grad)
         handle.remove()
@@ -261,7 +247,7 @@ def test_a_declared_upstream_gradient_is_checked():
     g = torch.Generator().manual_seed(3)
     s, b, h, v = 5, 2, 8, 30
     layer = torch.nn.Linear(h, v, bias=False)
-    handle = _ddp_like(layer.weight, zero_out_wgrad=False)
+    handle = ddp_like(layer.weight, zero_out_wgrad=False)
     hidden = torch.randn(s, b, h, generator=g, requires_grad=True)
     kw = hook_keywords(hidden, layer, labels=torch.randint(0, v, (b, s), generator=g),
                        context=_inputs((b, s), g))
@@ -301,7 +287,7 @@ def test_mtp_depths_add_into_main_grad_too():
     fused_mtp_loss(depth(False)).loss.sum().backward()
     ref = layer.weight.grad.clone()
     layer.weight.grad = None
-    handle = _ddp_like(layer.weight, zero_out_wgrad=False)
+    handle = ddp_like(layer.weight, zero_out_wgrad=False)
     fused_mtp_loss(depth(True)).loss.sum().backward()
     handle.remove()
     assert layer.weight.grad_added_to_main_grad
