@@ -19,9 +19,9 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 
-from ..compat import group_rank_size
 from ..debug import check_values
-from .autograd import Backend, LinearFusedLoss, LinearLogSoftmaxStats, TokenLoss, saved_tensor_hooks_active
+from . import ops
+from .autograd import Backend, LinearFusedLoss, TokenLoss, group_rank_size
 from .losses import PerTokenLoss, PolicyLoss, PolicyLossResult, WeightedNLL, aggregation_weights, per_token_loss
 from .options import KernelParams, VocabParallel
 from .torch_chunked import TorchChunked
@@ -119,7 +119,7 @@ def linear_logprob_entropy(
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
                  chunk_size, backend, accumulator=weight_grad_accumulator,
                  dummy_weight_grad=placeholder_weight_grad)
-    logprob, entropy, logz, best = LinearLogSoftmaxStats.apply(hidden, weight, p)
+    logprob, entropy, logz, best = ops.stats(hidden, weight, p)
     if labels is None:
         return LogprobEntropy(None, entropy, logz)
     return LogprobEntropy(logprob, entropy, logz, best)
@@ -190,7 +190,7 @@ def linear_cross_entropy(
                  chunk_size, backend, fused=True, accumulator=weight_grad_accumulator,
                  dummy_weight_grad=placeholder_weight_grad, upstream_grad=upstream_grad)
     tw = _token_vector("token_weight", token_weight, p.n, hidden.device, default=1.0)
-    return _fused(hidden, weight, p, WeightedNLL(tw))[0]
+    return _fused(hidden, weight, p, tw, None, {})[0]
 
 
 def linear_policy_loss(
@@ -267,23 +267,37 @@ def linear_policy_loss(
         raise ValueError("token_weight: every value must be finite")
     fn = per_token_loss(PolicyLoss() if loss is None else loss)
     tensors = {k: _token_vector(f"inputs[{k!r}]", v, p.n, hidden.device) for k, v in (inputs or {}).items()}
-    token_loss = fn.bind(tw, tensors, p.valid)
-    loss_value, logprob, entropy = _fused(hidden, weight, p, token_loss)
-    return PolicyLossResult(loss_value, logprob, entropy)
+    if isinstance(fn.fn, PolicyLoss) and fn.needs_entropy == fn.fn.needs_entropy:
+        # data: the op takes it (and checks the inputs' values)
+        fn.check_inputs(tensors)
+        r = _fused(hidden, weight, p, tw, fn.fn, tensors)
+    else:
+        r = _fused(hidden, weight, p, tw, fn.bind(tw, tensors, p.valid), {})
+    return PolicyLossResult(*r)
 
 
-def _fused(hidden, weight, p: KernelParams, token_loss: TokenLoss):
-    """(loss, logprob, entropy) of a :class:`TokenLoss`. Gradients formed in the forward where
-    any is needed; with a weight-gradient accumulator and no declared upstream gradient (which
-    scales what is added into it, and is otherwise known only in the backward), the log-prob
-    pass and the terms in torch, the logits recomputed in the backward; without gradients, the
-    log-prob pass alone."""
+def _fused(hidden, weight, p: KernelParams, token_weight: torch.Tensor,
+           loss: Union[PolicyLoss, TokenLoss, None], inputs: Mapping[str, torch.Tensor]):
+    """(loss, logprob, entropy) of the weighted NLL (``loss`` None), a :class:`PolicyLoss` with
+    its ``inputs``, or a bound :class:`TokenLoss`. Gradients formed in the forward where any is
+    needed; with a weight-gradient accumulator and no declared upstream gradient (which scales
+    what is added into it, and is otherwise known only in the backward), the log-prob pass and
+    the terms in torch, the logits recomputed in the backward; without gradients, the log-prob
+    pass alone. The NLL and :class:`PolicyLoss` run as a custom op; a Python function's loss
+    through :class:`LinearFusedLoss`."""
     need_x = hidden.requires_grad and torch.is_grad_enabled()
     need_w = weight.requires_grad and torch.is_grad_enabled()
     in_forward = p.weight_grad_accumulator is None or p.upstream_grad is not None
+    as_data = loss is None or isinstance(loss, PolicyLoss)
+    if (need_x or need_w) and in_forward and as_data:
+        names = () if loss is None else loss.input_names
+        return ops.fused_loss(hidden, weight, p, token_weight, loss, [inputs[k] for k in names],
+                              need_x, need_w)
+    token_loss = (WeightedNLL(token_weight) if loss is None
+                  else per_token_loss(loss).bind(token_weight, inputs, p.valid) if as_data else loss)
     if (need_x or need_w) and in_forward:
         return LinearFusedLoss.apply(hidden, weight, p, token_loss, need_x, need_w)
-    logprob, entropy, _, _ = LinearLogSoftmaxStats.apply(hidden, weight, p)
+    logprob, entropy, _, _ = ops.stats(hidden, weight, p)
     ent = entropy if token_loss.needs_entropy else None
     loss = torch.where(p.valid, token_loss.terms(slice(0, p.n), logprob, ent), 0.0).sum()
     zeros = torch.zeros_like(logprob)
@@ -384,30 +398,10 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
                 "upstream_grad: declares the gradient that goes into weight_grad_accumulator in "
                 "the forward; without an accumulator leave it None"
             )
-        if torch.is_grad_enabled() and weight.requires_grad:  # else nothing is added
-            check_not_recomputed()
         upstream_grad = float(upstream_grad)
     group = parallel.group if tp > 1 else None
     return KernelParams(gl, valid, coef, int(parallel.vocab_start), group, sp, chunk_size, backend_impl,
                         accumulator, dummy_weight_grad, upstream_grad)
-
-
-def check_not_recomputed() -> None:
-    """``upstream_grad`` adds into the accumulator in the forward, so the forward must run exactly
-    once per backward. Refuse where it may run again: inside an activation-checkpointed region
-    (its saved-tensor hooks are active, and the backward re-runs the region) or in a backward
-    pass (a recomputation). Without ``upstream_grad`` the gradient is added in the backward,
-    which runs once, so that mode stays exact there."""
-    hooked = saved_tensor_hooks_active()
-    if hooked or torch._C._current_graph_task_id() != -1:
-        raise ValueError(
-            "upstream_grad: the loss is computed "
-            + ("under saved-tensor hooks (an activation-checkpointed region, whose forward the "
-               "backward runs again, or an offloading scope, which cannot be told apart from one)"
-               if hooked else "inside a backward pass (a recomputation)")
-            + ", so its weight gradient would be added into the accumulator more than once; "
-            "leave upstream_grad None there (the gradient is then added in the backward, once)"
-        )
 
 
 def check_upstream_grad_option(upstream_grad: Any) -> None:
@@ -461,7 +455,8 @@ def _select_backend(name: str, hidden: torch.Tensor) -> Backend:
         backend = triton_fused.TritonFused(tiles)
     else:
         backend = TorchChunked()
-    _log_choice(name, backend_name(backend), hidden.dtype, hidden.device)
+    if not torch.compiler.is_compiling():  # logged from eager calls (Dynamo cannot trace logging)
+        _log_choice(name, backend_name(backend), hidden.dtype, hidden.device)
     return backend
 
 

@@ -1,4 +1,4 @@
-"""The autograd functions shared by every backend: communication and the statistics' algebra.
+"""What every backend shares: communication, the statistics' algebra, the fused loss's chunk loop.
 
 A backend (:class:`Backend`) supplies the passes over this rank's vocabulary shard and owns their
 chunk loops: ``local_stats`` (forward: per-token max, sum-exp, entropy term and target logit of
@@ -8,7 +8,8 @@ dW), and ``fused_loss`` (a loss whose gradients are formed in the forward, over 
 MAX and a SUM all-reduce per batch, or per chunk of the fused loss), gathers sequence-parallel
 hidden states once, and reduces their gradient once (all-reduce, or reduce-scatter under sequence
 parallelism), so the backends' kernels stay pure math. Options travel as one frozen
-:class:`~.options.KernelParams`.
+:class:`~.options.KernelParams`. The passes run as custom ops (:mod:`.ops`); only a loss given
+as a Python function runs through :class:`LinearFusedLoss` here.
 
 Per token, with ``l = coef * (x @ W.T)`` (``coef = logit_scale / temperature``) over the full
 vocabulary, ``m = max l``, ``s = sum exp(l - m)``, ``logZ = m + log s``, ``p = exp(l - logZ)``:
@@ -19,7 +20,7 @@ vocabulary, ``m = max l``, ``s = sum exp(l - m)``, ``logZ = m + log s``, ``p = e
   so it stays exact when all logits are hugely negative or hugely positive;
 * ``d logprob / d l_j = 1[j = y] - p_j``; ``d entropy / d l_j = -p_j (log p_j + entropy)``.
 
-:class:`LinearFusedLoss` is a loss ``sum_i f_i(logprob_i, entropy_i)`` (:class:`TokenLoss`): the
+A fused loss is ``sum_i f_i(logprob_i, entropy_i)`` (:class:`TokenLoss`): the
 cross-entropy ``sum_i w_i (logZ_i - l_i[y_i])``, or a policy loss. Its upstream gradient is one
 scalar, so the logit gradients ``f_i' `` are formed in the forward while each token chunk's logits
 exist (3 matmuls, 6NHV, instead of recomputing them: 8NHV); the backward only scales dX and dW by
@@ -34,7 +35,6 @@ from typing import NamedTuple, Optional, Protocol
 import torch
 import torch.distributed as dist
 
-from ..compat import group_rank_size
 from .matmul import addmm_f32_, mm_f32
 from .options import KernelParams
 
@@ -68,10 +68,60 @@ def _as_is(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def group_rank_size(group) -> tuple[int, int]:
+    """This process's rank in ``group`` and its size; ``(0, 1)`` for None (not split) or without
+    torch.distributed."""
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def placeholder_grad_like(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-stride zero gradient (nothing of ``shape`` allocated): what a weight whose gradient
+    went into an accumulator gets instead of none, so hooks on its gradient still run."""
+    return torch.zeros((), dtype=dtype, device=device).expand(shape)
+
+
+_AUTOGRAD_KEYS = ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView")
+
+
+def _autograd_reenabled():
+    """Inside a custom op's implementation (:mod:`.ops`) the dispatcher has excluded the autograd
+    keys, so a ``torch.autograd.grad`` there would see no graph; re-include them for the block
+    (restored on exit). Outside an op: nothing to do."""
+    C = torch._C
+    excluded = C._dispatch_tls_local_exclude_set()
+    keys = [getattr(C.DispatchKey, k) for k in _AUTOGRAD_KEYS]
+    if not any(excluded.has(k) for k in keys):
+        return contextlib.nullcontext()
+    for k in keys:
+        excluded = excluded.remove(k)
+    return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), excluded)
+
+
 def saved_tensor_hooks_active() -> bool:
     """Whether default saved-tensor hooks are on (an activation-checkpointed region, an
     offloading scope)."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def check_not_recomputed() -> None:
+    """``upstream_grad`` adds into the accumulator in the forward, so the forward must run exactly
+    once per backward. Refuse where it may run again: inside an activation-checkpointed region
+    (its saved-tensor hooks are active, and the backward re-runs the region) or in a backward
+    pass (a recomputation). Without ``upstream_grad`` the gradient is added in the backward,
+    which runs once, so that mode stays exact there. Checked where the op runs (under
+    ``torch.compile`` too), before anything is added."""
+    hooked = saved_tensor_hooks_active()
+    if hooked or torch._C._current_graph_task_id() != -1:
+        raise ValueError(
+            "upstream_grad: the loss is computed "
+            + ("under saved-tensor hooks (an activation-checkpointed region, whose forward the "
+               "backward runs again, or an offloading scope, which cannot be told apart from one)"
+               if hooked else "inside a backward pass (a recomputation)")
+            + ", so its weight gradient would be added into the accumulator more than once; "
+            "leave upstream_grad None there (the gradient is then added in the backward, once)"
+        )
 
 
 def term_grads(
@@ -85,7 +135,7 @@ def term_grads(
     # where any are active (pushing them elsewhere would fail where hooks are disabled).
     hooked = saved_tensor_hooks_active()
     shield = torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is) if hooked else contextlib.nullcontext()
-    with torch.enable_grad(), shield:
+    with _autograd_reenabled(), torch.enable_grad(), shield:
         lp = logprob.detach().requires_grad_()
         ent = entropy.detach().requires_grad_() if entropy is not None else None
         t = token_loss.terms(rows, lp, ent)
@@ -170,6 +220,8 @@ class Backend:
         dx = torch.empty((n, x.shape[1]), **f32) if need_x else None
         # a declared upstream gradient: dW goes straight into the accumulator, scaled by it
         into = p.weight_grad_accumulator if p.upstream_grad is not None else None
+        if into is not None and need_w:
+            check_not_recomputed()  # before anything is added
         dw = torch.empty(weight.shape, **f32) if need_w and into is None else None
         need_grad = need_x or need_w
         # dz holds `chunk_size` tokens (the K of each dW product: fewer passes over the fp32
@@ -300,45 +352,6 @@ def reduce_hidden_grad(dx: torch.Tensor, group, sequence_parallel: bool) -> torc
     return all_reduce(dx, dist.ReduceOp.SUM, group)
 
 
-class LinearLogSoftmaxStats(torch.autograd.Function):
-    """(log-prob, entropy, logZ, label is argmax) per token: the 2NHV pass, logits recomputed in
-    the backward (for any upstream gradient of the per-token results)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, p: KernelParams):
-        group, sp, backend = p.group, p.sequence_parallel, p.backend
-        x = gather_tokens(hidden, group) if sp else hidden
-        local_label = local_labels(p.labels, p.valid, p.vocab_start, weight.shape[0])
-        st = combine(backend.local_stats(x, weight, p.coef, local_label, p.chunk_size), group)
-        logprob = torch.where(p.valid, st.logprob(), 0.0)
-        entropy = torch.where(p.valid, st.entropy, 0.0)
-        logz = st.max + st.log_s
-        label_is_argmax = p.valid & label_is_row_max(st)
-        ctx.save_for_backward(x, weight, local_label, st.max, st.log_s, entropy)
-        ctx.params, ctx.hidden_shape = p, hidden.shape
-        ctx.mark_non_differentiable(logz, label_is_argmax)
-        return logprob, entropy, logz, label_is_argmax
-
-    @staticmethod
-    def backward(ctx, d_logprob, d_entropy, _d_logz, _d_argmax):
-        x, weight, local_label, m, log_s, entropy = ctx.saved_tensors
-        p: KernelParams = ctx.params
-        zero = torch.zeros_like(m)
-        g1 = torch.where(p.valid, d_logprob.float(), zero) if d_logprob is not None else zero
-        g2 = torch.where(p.valid, d_entropy.float(), zero) if d_entropy is not None else zero
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        acc = p.weight_grad_accumulator if need_w else None
-        dx, dw = p.backend.grads(
-            x, weight, p.coef, local_label, m, log_s, entropy, g1, g2, p.chunk_size, need_x, need_w,
-            acc,
-        )
-        if dx is not None:
-            dx = reduce_hidden_grad(dx, p.group, p.sequence_parallel).view(ctx.hidden_shape)
-        if acc is not None and p.dummy_weight_grad:
-            dw = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
-        return dx, dw, None
-
-
 class LinearFusedLoss(torch.autograd.Function):
     """A :class:`TokenLoss` summed over tokens, a float32 scalar, with its gradients formed in
     the forward (:meth:`Backend.fused_loss`); also returns the detached per-token log-probs and
@@ -374,7 +387,7 @@ class LinearFusedLoss(torch.autograd.Function):
         elif p.upstream_grad is not None and ctx.needs_input_grad[1]:
             check_upstream_grad(grad, p.upstream_grad)
             if p.dummy_weight_grad:
-                dw = torch.zeros((), dtype=ctx.dtype, device=grad.device).expand(ctx.weight_shape)
+                dw = placeholder_grad_like(ctx.weight_shape, ctx.dtype, grad.device)
         return dx, dw, None, None, None, None
 
 

@@ -1,0 +1,381 @@
+"""The passes as ``torch.library`` custom ops (namespace ``mcore_hooks``), with fake
+implementations and registered autograd, so ``torch.compile(fullgraph=True)`` keeps them whole.
+
+Dynamo cannot trace a Triton launch with our tiles, a ``torch.autograd.grad`` inside a forward,
+or a collective on a process group; as opaque ops with fake (shape-only) implementations it does
+not have to. Their arguments are plain data: tensors, ints, floats, strings, the process group
+by name (``ProcessGroup.group_name``), the backend by name, and a per-token loss as
+:class:`~.losses.PolicyLoss`'s fields (a loss given as an arbitrary Python function cannot be an
+op argument: it keeps the :class:`~.autograd.LinearFusedLoss` path, which compiles with a graph
+break). Eager calls go through the same ops: one path.
+
+* ``logsoftmax_stats`` / ``logsoftmax_stats_backward``: the 2NHV log-prob/entropy pass and its
+  backward (which adds into ``accumulator``, Megatron's ``main_grad``, where one is given);
+* ``fused_token_loss``: a loss with its gradients formed in the forward (adds into
+  ``accumulator`` in the forward where an upstream gradient is declared);
+* ``all_reduce_`` / ``reduce_scatter_tokens``: the hidden-state gradient's reduction, which
+  the backward (traced by AOTAutograd) cannot issue on a process group object itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import autograd as ag
+from .losses import PolicyLoss, WeightedNLL, per_token_loss
+from .options import KernelParams
+from .torch_chunked import TorchChunked
+
+_F32 = torch.float32
+
+
+def group_name(group) -> Optional[str]:
+    """A process group as an op argument (None: not split)."""
+    return None if group is None else group.group_name
+
+
+def _group(name: Optional[str]):
+    if name is None:
+        return None
+    return torch.distributed.distributed_c10d._resolve_process_group(name)
+
+
+def _backend(name: str, device: torch.device) -> ag.Backend:
+    if name == "torch":
+        return TorchChunked()
+    from . import triton_fused
+
+    return triton_fused.TritonFused(triton_fused.device_tiles(device))
+
+
+def backend_arg(backend: ag.Backend) -> str:
+    """A backend as an op argument (its tiles follow from the device)."""
+    return backend.name
+
+
+def _params(labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
+            device, accumulator=None, upstream_grad=None) -> KernelParams:
+    return KernelParams(labels, valid, coef, vocab_start, _group(group), sequence_parallel,
+                        chunk_size, _backend(backend, device), accumulator, False, upstream_grad)
+
+
+def _none_if_empty(t: Tensor) -> Optional[Tensor]:
+    return None if t.dim() == 1 and t.shape[0] == 0 else t
+
+
+def _nothing(like: Tensor) -> Tensor:
+    """An op cannot return None for a Tensor: an empty tensor stands for it."""
+    return like.new_empty(0)
+
+
+# --------------------------------------------------------------------------- the log-prob/entropy pass
+
+
+@torch.library.custom_op("mcore_hooks::logsoftmax_stats", mutates_args=())
+def logsoftmax_stats(
+    hidden: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
+    group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str,
+    accumulator: Optional[Tensor], placeholder: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(logprob, entropy, logz, label_is_argmax, max, log_s, gathered hidden)`` per token; the
+    last three are for the backward (the gathered hidden states only under sequence parallelism,
+    else empty). ``accumulator`` and ``placeholder`` are for the backward alone (where the
+    weight's gradient goes; whether the weight then gets a zero-stride placeholder)."""
+    p = _params(labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
+                hidden.device)
+    x = ag.gather_tokens(hidden, p.group) if sequence_parallel else hidden
+    local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
+    st = ag.combine(p.backend.local_stats(x, weight, coef, local_label, chunk_size), p.group)
+    logprob = torch.where(valid, st.logprob(), 0.0)
+    entropy = torch.where(valid, st.entropy, 0.0)
+    return (logprob, entropy, st.max + st.log_s, valid & ag.label_is_row_max(st), st.max, st.log_s,
+            x if sequence_parallel else _nothing(hidden))
+
+
+@logsoftmax_stats.register_fake
+def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
+      accumulator, placeholder):
+    n = labels.shape[0]
+    f32 = [hidden.new_empty(n, dtype=_F32) for _ in range(5)]
+    x = hidden.new_empty((n, hidden.shape[1])) if sequence_parallel else _nothing(hidden)
+    return f32[0], f32[1], f32[2], hidden.new_empty(n, dtype=torch.bool), f32[3], f32[4], x
+
+
+@torch.library.custom_op("mcore_hooks::logsoftmax_stats_backward", mutates_args=("accumulator",))
+def logsoftmax_stats_backward(
+    x: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
+    group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str, m: Tensor,
+    log_s: Tensor, entropy: Tensor, g_logprob: Tensor, g_entropy: Tensor, need_x: bool,
+    need_w: bool, accumulator: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    """``(dX, dW)`` of ``sum g_logprob * logprob + g_entropy * entropy`` (``x`` all tokens; dX
+    reduced over the group, this rank's shard under sequence parallelism); empty where not
+    asked for, or dW where it went into ``accumulator``."""
+    p = _params(labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
+                x.device)
+    local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
+    dx, dw = p.backend.grads(x, weight, coef, local_label, m, log_s, entropy, g_logprob, g_entropy,
+                             chunk_size, need_x, need_w, accumulator if need_w else None)
+    if dx is not None:
+        dx = ag.reduce_hidden_grad(dx, p.group, sequence_parallel)
+    return (_nothing(x) if dx is None else dx), (_nothing(weight) if dw is None else dw)
+
+
+@logsoftmax_stats_backward.register_fake
+def _(x, weight, labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
+      m, log_s, entropy, g_logprob, g_entropy, need_x, need_w, accumulator):
+    rows = x.shape[0] // _fake_group_size(group) if sequence_parallel else x.shape[0]
+    dx = x.new_empty((rows, x.shape[1])) if need_x else _nothing(x)
+    dw = weight.new_empty(weight.shape) if need_w and accumulator is None else _nothing(weight)
+    return dx, dw
+
+
+def _fake_group_size(name: Optional[str]) -> int:
+    return 1 if name is None else _group(name).size()
+
+
+def _stats_setup(ctx, inputs, output):
+    (hidden, weight, labels, valid, coef, vocab_start, group, sp, chunk_size, backend, accumulator,
+     placeholder) = inputs
+    _, entropy, _, _, m, log_s, gathered = output
+    ctx.save_for_backward(gathered if sp else hidden, weight, labels, valid, coef, m, log_s, entropy)
+    ctx.args = (vocab_start, group, sp, chunk_size, backend)
+    # not saved: it is written between this forward and its backward by design (other
+    # micro-batches' backwards), which save_for_backward's version check would refuse
+    ctx.accumulator = accumulator
+    ctx.hidden_shape, ctx.placeholder = hidden.shape, placeholder
+
+
+def _stats_backward(ctx, d_logprob, d_entropy, *_):
+    x, weight, labels, valid, coef, m, log_s, entropy = ctx.saved_tensors
+    accumulator = ctx.accumulator
+    zero = torch.zeros_like(m)
+    g1 = torch.where(valid, d_logprob.float(), zero) if d_logprob is not None else zero
+    g2 = torch.where(valid, d_entropy.float(), zero) if d_entropy is not None else zero
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    acc = accumulator if need_w else None
+    dx, dw = logsoftmax_stats_backward(x, weight, labels, valid, coef, *ctx.args, m, log_s, entropy,
+                                       g1, g2, need_x, need_w, acc)
+    dx = dx.view(ctx.hidden_shape) if need_x else None
+    if acc is not None:
+        dw = ag.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None
+    elif not need_w:
+        dw = None
+    return (dx, dw) + (None,) * 10
+
+
+logsoftmax_stats.register_autograd(_stats_backward, setup_context=_stats_setup)
+
+
+def stats(hidden: Tensor, weight: Tensor, p: KernelParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(logprob, entropy, logz, label_is_argmax)`` through the op, differentiable in ``hidden``
+    and ``weight`` (the weight's gradient into ``p.weight_grad_accumulator`` where one is given)."""
+    out = logsoftmax_stats(hidden, weight, p.labels, p.valid, p.coef, p.vocab_start,
+                           group_name(p.group), p.sequence_parallel, p.chunk_size,
+                           backend_arg(p.backend), p.weight_grad_accumulator, p.dummy_weight_grad)
+    return out[0], out[1], out[2], out[3]
+
+
+# --------------------------------------------------------------------------- losses with gradients in the forward
+
+# PolicyLoss as op data: its fields in this order, None as NaN, kl_type as 1.0 for "k3"
+_POLICY_FIELDS = ("clip_low", "clip_high", "dual_clip", "kl_coef", "kl_type", "entropy_coef",
+                  "log_ratio_limit")
+
+
+def policy_loss_data(loss: PolicyLoss) -> list[float]:
+    """:class:`PolicyLoss` as a list of floats (an op argument)."""
+    out = []
+    for f in _POLICY_FIELDS:
+        v = getattr(loss, f)
+        out.append(float(v == "k3") if f == "kl_type" else math.nan if v is None else float(v))
+    return out
+
+
+def _policy_loss(data: list[float]) -> PolicyLoss:
+    kw = {f: (None if math.isnan(v) else v) for f, v in zip(_POLICY_FIELDS, data)}
+    kw["kl_type"] = "k3" if data[_POLICY_FIELDS.index("kl_type")] == 1.0 else "k1"
+    return PolicyLoss(**kw)
+
+
+def _token_loss(token_weight: Tensor, policy: Optional[list[float]], inputs: list[Tensor],
+                valid: Tensor) -> ag.TokenLoss:
+    if policy is None:
+        return WeightedNLL(token_weight)
+    loss = _policy_loss(policy)
+    return per_token_loss(loss).bind(token_weight, dict(zip(loss.input_names, inputs)), valid)
+
+
+def _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel,
+                chunk_size, backend, accumulator, upstream_grad, token_weight, policy, inputs,
+                need_x, need_w):
+    p = _params(labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
+                hidden.device, accumulator, upstream_grad)
+    x = ag.gather_tokens(hidden, p.group) if sequence_parallel else hidden
+    local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
+    r = p.backend.fused_loss(x, weight, p, local_label, _token_loss(token_weight, policy, inputs, valid),
+                             need_x, need_w)
+    entropy = r.entropy if r.entropy is not None else torch.zeros_like(r.logprob)
+    return (r.loss.sum(), r.logprob, entropy, _nothing(x) if r.dx is None else r.dx,
+            _nothing(weight) if r.dw is None else r.dw)
+
+
+def _fused_fake(hidden, weight, labels, need_x, need_w, into: bool):
+    n = labels.shape[0]
+    dx = hidden.new_empty((n, hidden.shape[1]), dtype=_F32) if need_x else _nothing(hidden)
+    dw = weight.new_empty(weight.shape, dtype=_F32) if need_w and not into else _nothing(weight)
+    return (hidden.new_empty((), dtype=_F32), hidden.new_empty(n, dtype=_F32),
+            hidden.new_empty(n, dtype=_F32), dx, dw)
+
+
+@torch.library.custom_op("mcore_hooks::fused_token_loss", mutates_args=())
+def fused_token_loss(
+    hidden: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
+    group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str,
+    token_weight: Tensor, policy: Optional[list[float]], inputs: list[Tensor], need_x: bool,
+    need_w: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, logprob, entropy, dX, dW)``: the summed loss (float32 scalar), detached per-token
+    log-probs and entropies (zeros where the loss does not use them), and the float32 gradients
+    of the loss, all tokens' dX and this rank's dW (empty where not needed). The loss is the
+    weighted NLL (``policy`` None) or a :class:`PolicyLoss` (its fields,
+    :func:`policy_loss_data`) with its ``input_names`` tensors in ``inputs``."""
+    return _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel,
+                       chunk_size, backend, None, None, token_weight, policy, inputs, need_x, need_w)
+
+
+@fused_token_loss.register_fake
+def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
+      token_weight, policy, inputs, need_x, need_w):
+    return _fused_fake(hidden, weight, labels, need_x, need_w, into=False)
+
+
+def _fused_setup(ctx, inputs, output):
+    hidden, weight, _, _, _, _, group, sp = inputs[:8]
+    _, _, _, dx32, dw32 = output
+    ctx.save_for_backward(dx32, dw32)
+    ctx.group, ctx.sp, ctx.num_inputs = group, sp, len(inputs[12])
+    ctx.hidden_shape, ctx.dtype = hidden.shape, hidden.dtype
+
+
+def _scaled(t32: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:
+    # rounded to the input dtype once, without a float32 temporary of t's size
+    return torch.mul(t32, grad, out=torch.empty(t32.shape, dtype=dtype, device=t32.device))
+
+
+def _hidden_grad(ctx, dx32: Tensor, grad: Tensor) -> Optional[Tensor]:
+    if not (ctx.needs_input_grad[0] and dx32.numel()):
+        return None
+    return reduce_hidden_grad(_scaled(dx32, grad, ctx.dtype), ctx.group, ctx.sp).view(ctx.hidden_shape)
+
+
+def _fused_backward(ctx, grad, *_):
+    dx32, dw32 = ctx.saved_tensors
+    dw = _scaled(dw32, grad, ctx.dtype) if ctx.needs_input_grad[1] and dw32.numel() else None
+    # one entry per input, a list for the list of tensors
+    return (_hidden_grad(ctx, dx32, grad), dw) + (None,) * 10 + ([None] * ctx.num_inputs, None, None)
+
+
+fused_token_loss.register_autograd(_fused_backward, setup_context=_fused_setup)
+
+
+@torch.library.custom_op("mcore_hooks::fused_token_loss_into_", mutates_args=("accumulator",))
+def fused_token_loss_into_(
+    hidden: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
+    group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str,
+    accumulator: Tensor, upstream_grad: float, token_weight: Tensor, policy: Optional[list[float]],
+    inputs: list[Tensor], need_x: bool, need_w: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`fused_token_loss` with the loss's gradient declared (``upstream_grad``):
+    ``upstream_grad * dW`` is added into ``accumulator`` here (dW comes back empty)."""
+    return _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel,
+                       chunk_size, backend, accumulator, upstream_grad, token_weight, policy, inputs,
+                       need_x, need_w)
+
+
+@fused_token_loss_into_.register_fake
+def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
+      accumulator, upstream_grad, token_weight, policy, inputs, need_x, need_w):
+    return _fused_fake(hidden, weight, labels, need_x, need_w, into=True)
+
+
+class _FusedIntoAccumulator(torch.autograd.Function):
+    """The differentiable side of :func:`fused_token_loss_into_` (an op that writes into an
+    input cannot have a registered autograd formula): the backward scales dX and checks that
+    the loss got the declared gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, args: tuple, placeholder: bool):
+        loss, logprob, entropy, dx32, _ = fused_token_loss_into_(hidden, weight, *args)
+        ctx.save_for_backward(dx32)
+        ctx.group, ctx.sp, ctx.upstream_grad, ctx.placeholder = args[4], args[5], args[9], placeholder
+        ctx.hidden_shape, ctx.dtype = hidden.shape, hidden.dtype
+        ctx.weight_shape = weight.shape
+        ctx.mark_non_differentiable(logprob, entropy)
+        return loss, logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        (dx32,) = ctx.saved_tensors
+        dw = None
+        if ctx.needs_input_grad[1]:
+            ag.check_upstream_grad(grad, ctx.upstream_grad)
+            if ctx.placeholder:
+                dw = ag.placeholder_grad_like(ctx.weight_shape, ctx.dtype, grad.device)
+        return _hidden_grad(ctx, dx32, grad), dw, None, None
+
+
+def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Tensor,
+               policy: Optional[PolicyLoss], inputs: list[Tensor], need_x: bool,
+               need_w: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(loss, logprob, entropy)`` of the weighted NLL (``policy`` None) or a
+    :class:`PolicyLoss`, gradients formed in the forward, through the ops."""
+    data = None if policy is None else policy_loss_data(policy)
+    args = (p.labels, p.valid, p.coef, p.vocab_start, group_name(p.group), p.sequence_parallel,
+            p.chunk_size, backend_arg(p.backend))
+    if p.upstream_grad is not None and p.weight_grad_accumulator is not None:
+        return _FusedIntoAccumulator.apply(
+            hidden, weight, args + (p.weight_grad_accumulator, p.upstream_grad, token_weight, data,
+                                    inputs, need_x, need_w), p.dummy_weight_grad)
+    out = fused_token_loss(hidden, weight, *args, token_weight, data, inputs, need_x, need_w)
+    return out[0], out[1], out[2]
+
+
+# --------------------------------------------------------------------------- the hidden states' gradient
+
+
+@torch.library.custom_op("mcore_hooks::all_reduce_", mutates_args=("t",))
+def all_reduce_(t: Tensor, group: str) -> None:
+    """Sum ``t`` over the group, in place."""
+    torch.distributed.all_reduce(t, group=_group(group))
+
+
+@all_reduce_.register_fake
+def _(t, group):
+    return None
+
+
+@torch.library.custom_op("mcore_hooks::reduce_scatter_tokens", mutates_args=())
+def reduce_scatter_tokens(t: Tensor, group: str) -> Tensor:
+    """Sum over the group, keep this rank's token shard."""
+    return ag.reduce_scatter_tokens(t, _group(group))
+
+
+@reduce_scatter_tokens.register_fake
+def _(t, group):
+    return t.new_empty((t.shape[0] // _fake_group_size(group),) + tuple(t.shape[1:]))
+
+
+def reduce_hidden_grad(dx: Tensor, group: Optional[str], sequence_parallel: bool) -> Tensor:
+    """:func:`~.autograd.reduce_hidden_grad` through the ops (a backward traced by AOTAutograd
+    cannot call a collective on a process group)."""
+    if group is None:
+        return dx
+    if sequence_parallel:
+        return reduce_scatter_tokens(dx, group)
+    all_reduce_(dx, group)
+    return dx

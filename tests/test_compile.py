@@ -1,0 +1,250 @@
+"""torch.compile and the kernels' custom ops, on the CPU (the torch backend; the Triton backend
+and CUDA graphs are in ``test_gpu.py``).
+
+``backend="aot_eager"`` runs Dynamo (``fullgraph=True``: any graph break is an error) and
+AOTAutograd (the ops' fake implementations, their registered autograd, the backward traced) but
+no code generation, so the CPU suite needs no compiler. The ops' own implementations are the
+eager code, so the values are the eager ones; the few float32 operations around them (the
+processors' reshapes, masks and sums) may be reordered: 1e-6 relative to the O(1) terms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_hooks import (
+    EntropyProcessor,
+    FusedLogprobProcessor,
+    LinearCEProcessor,
+    LogprobEntropyProcessor,
+    PolicyLossProcessor,
+)
+from mcore_hooks.integrations import NemoRLLogprobProcessor, VerlFusedProcessor
+from mcore_hooks.integrations.verl import FusedOutputProcessorContext
+from mcore_hooks.kernels import PolicyLoss, linear_cross_entropy, linear_logprob_entropy, linear_policy_loss, ops
+from mcore_hooks.testing import hook_keywords
+
+pytestmark = pytest.mark.filterwarnings("ignore:Dynamo")
+
+B, S, H, V = 2, 16, 8, 30
+
+
+def _data(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(H, V, bias=False)
+    hidden = torch.randn(S, B, H, generator=g)
+    labels = torch.randint(0, V, (B, S), generator=g)
+    mask = (torch.rand(B, S, generator=g) > 0.2).float()
+    return layer, hidden, labels, mask
+
+
+def _scalar(out):
+    """One differentiable number from whatever a processor returns."""
+    if isinstance(out, torch.Tensor):
+        return out.float().sum() if out.dim() else out
+    if hasattr(out, "log_probs"):  # verl's output
+        return out.log_probs.sum() + 0.5 * out.entropy.sum()
+    if isinstance(out, dict):
+        return sum(_scalar(v) * (i + 1) for i, v in enumerate(out.values())
+                   if isinstance(v, torch.Tensor) and v.requires_grad)
+    return sum(_scalar(v) * (i + 1) for i, v in enumerate(out) if v is not None and v.requires_grad)
+
+
+T_ROWS = torch.tensor([0.7, 1.3])
+CASES = {
+    "fused-logprob": (lambda: FusedLogprobProcessor(backend="torch"), None),
+    "fused-logprob-per-sample-T": (lambda: FusedLogprobProcessor(backend="torch", temperature=T_ROWS), None),
+    "entropy": (lambda: EntropyProcessor(backend="torch"), None),
+    "logprob-entropy": (lambda: LogprobEntropyProcessor(backend="torch", temperature=0.8), None),
+    "logprob-entropy-tuple": (lambda: LogprobEntropyProcessor(backend="torch", as_tuple=True), None),
+    "linear-ce-sum": (lambda: LinearCEProcessor(backend="torch"), None),
+    "linear-ce-mean": (lambda: LinearCEProcessor(backend="torch", reduction="mean"), None),
+    "policy": (lambda: PolicyLossProcessor(backend="torch"), "policy"),
+    "policy-kl-entropy-seq-mean": (lambda: PolicyLossProcessor(
+        loss=PolicyLoss(kl_coef=0.1, entropy_coef=0.01, dual_clip=3.0), backend="torch",
+        aggregation="seq-mean-token-mean"), "policy-kl"),
+    "verl": (lambda: VerlFusedProcessor(backend="torch"), "verl"),
+    "nemo-rl": (lambda: NemoRLLogprobProcessor(temperature=0.7, backend="torch"), "nemo"),
+}
+
+
+def _context(kind, g):
+    if kind in ("policy", "policy-kl"):
+        ctx = {"old_logprobs": -torch.rand(B, S, generator=g) * 3, "advantages": torch.randn(B, S, generator=g)}
+        if kind == "policy-kl":
+            ctx["ref_logprobs"] = -torch.rand(B, S, generator=g) * 3
+        return ctx
+    if kind == "verl":
+        return FusedOutputProcessorContext(temperature=0.9)
+    return None
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_processor_compiles_whole(case):
+    """``torch.compile(fullgraph=True)`` around each bundled processor and both integrations:
+    no graph break, and the eager values and gradients (hidden states and weight)."""
+    make, kind = CASES[case]
+    layer, hidden, labels, mask = _data()
+    context = _context(kind, torch.Generator().manual_seed(2))
+    extra = dict(input_ids=labels) if kind == "nemo" else dict(loss_mask=mask)
+
+    # what the model hands the hook, and the processor, are made outside the compiled step
+    keywords = hook_keywords(hidden, layer, labels=labels, context=context, **extra)
+    processor = make()
+
+    def step(h):
+        return _scalar(processor(**{**keywords, "hidden_states": h}))
+
+    torch._dynamo.reset()
+    results = []
+    for run in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        h = hidden.clone().requires_grad_()
+        layer.zero_grad()
+        out = run(h)
+        out.backward()
+        results.append((out.detach(), h.grad, layer.weight.grad.clone()))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+def test_a_python_loss_function_compiles_with_a_graph_break():
+    """A per-token loss written as a Python function cannot be an op argument: it keeps the
+    autograd-Function path, which compiles with a graph break (and gives the eager values)."""
+    layer, hidden, labels, mask = _data()
+    adv = torch.randn(B * S)
+
+    def step(h):
+        r = linear_policy_loss(h.reshape(-1, H), layer.weight, labels.t().reshape(-1),
+                               token_weight=mask.t().reshape(-1), backend="torch",
+                               loss=lambda lp, ent, advantages: -advantages * lp,
+                               inputs={"advantages": adv})
+        return r.loss
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager")
+    results = []
+    for run in (step, compiled):
+        h = hidden.clone().requires_grad_()
+        out = run(h)
+        out.backward()
+        results.append((out.detach(), h.grad))
+    for eager, comp in zip(*results):
+        torch.testing.assert_close(comp, eager, rtol=1e-6, atol=1e-6)
+    with pytest.raises(Exception, match="(?i)graph break|autograd|Unsupported"):
+        torch._dynamo.reset()
+        torch.compile(step, fullgraph=True, backend="aot_eager")(hidden.clone().requires_grad_())
+
+
+def _op_samples():
+    torch.manual_seed(3)
+    n, h, v = 6, 4, 10
+    x = torch.randn(n, h, dtype=torch.float64).float().requires_grad_()
+    w = torch.randn(v, h).requires_grad_()
+    labels = torch.randint(0, v, (n,))
+    labels[2] = -100
+    valid = labels != -100
+    coef = torch.full((n,), 1.25)
+    common = (x, w, labels, valid, coef, 0, None, False, 4, "torch")
+    pl = ops.policy_loss_data(PolicyLoss(kl_coef=0.1, entropy_coef=0.05))
+    inputs = [-torch.rand(n), torch.randn(n), -torch.rand(n)]
+    return {
+        "logsoftmax_stats": (ops.logsoftmax_stats, common + (None, False)),
+        "fused_token_loss-nll": (ops.fused_token_loss, common + (torch.rand(n), None, [], True, True)),
+        "fused_token_loss-policy": (ops.fused_token_loss, common + (torch.rand(n), pl, inputs, True, True)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_op_samples()))
+def test_ops_pass_torch_library_opcheck(name):
+    """``torch.library.opcheck``: the schema matches what the op does (no undeclared mutation
+    or aliasing), the fake implementation matches the real one's outputs, the registered
+    autograd is reached, and AOTAutograd traces it."""
+    op, args = _op_samples()[name]
+    torch.library.opcheck(op, args)
+
+
+def test_the_op_path_is_the_eager_path_bit_for_bit():
+    """The entry points go through the ops: calling the kernels twice gives identical bits, and
+    the compiled call (its ops run the same code) too, for the log-prob pass and the loss."""
+    layer, hidden, labels, _ = _data()
+    x = hidden.reshape(-1, H)
+    flat = labels.t().reshape(-1)
+
+    def both(xx):
+        r = linear_logprob_entropy(xx, layer.weight, flat, backend="torch")
+        return r.logprob, r.entropy, linear_cross_entropy(xx, layer.weight, flat, backend="torch")
+
+    torch._dynamo.reset()
+    eager = both(x)
+    compiled = torch.compile(both, fullgraph=True, backend="aot_eager")(x)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)
+
+
+class _Capture:
+    def __init__(self):
+        self.kwargs = None
+
+    def __call__(self, **kwargs):
+        self.kwargs = kwargs
+        return kwargs["hidden_states"].sum()
+
+
+@pytest.mark.usefixtures("mp1")
+@pytest.mark.parametrize("main_grad", [False, True, "declared"], ids=["grad", "main-grad", "declared"])
+def test_keywords_from_a_megatron_model_compile_whole(main_grad):
+    """The keywords as a stock Megatron Core forward hands them (its output layer, its bound
+    ``scale_logits``, its config), with ``gradient_accumulation_fusion`` and a float32
+    ``main_grad`` (the weight's gradient added into it in the op's backward, or, with a
+    declared ``upstream_grad``, in the policy loss's forward): whole graph, and the eager
+    values, hidden-state gradient and ``main_grad``."""
+    from mcore_hooks import hooked_class
+    from mcore_hooks.testing import TinyModelConfig, build_tiny_model, stock_model_class, tiny_batch
+
+    cfg = TinyModelConfig(tied=False)
+    model = build_tiny_model(cfg, model_cls=hooked_class(stock_model_class(cfg.model_class)))
+    batch = tiny_batch(cfg)
+    cap = _Capture()
+    with torch.no_grad():
+        model(**batch, output_processor=cap)
+    keywords = dict(cap.kwargs)
+    weight = model.output_layer.weight
+    if main_grad:
+        keywords["config"].gradient_accumulation_fusion = True
+        weight.main_grad = torch.zeros(weight.shape)
+    hidden = keywords["hidden_states"].detach()
+    if main_grad == "declared":
+        g = torch.Generator().manual_seed(5)
+        b, s = batch["labels"].shape
+        keywords["context"] = {"old_logprobs": -torch.rand(b, s, generator=g),
+                               "advantages": torch.randn(b, s, generator=g)}
+        processor = PolicyLossProcessor(backend="torch", upstream_grad=1.0)
+
+        def step(h):
+            return processor(**{**keywords, "hidden_states": h})["loss"]
+    else:
+        processor = LogprobEntropyProcessor(backend="torch", temperature=0.9)
+
+        def step(h):
+            out = processor(**{**keywords, "hidden_states": h})
+            return out["logprobs"].sum() + 0.5 * out["entropy"].sum()
+
+    torch._dynamo.reset()
+    results = []
+    try:
+        for run in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+            h = hidden.clone().requires_grad_()
+            weight.grad = None
+            if main_grad:
+                weight.main_grad.zero_()
+            out = run(h)
+            out.backward()
+            w_grad = weight.main_grad.clone() if main_grad else weight.grad.clone()
+            results.append((out.detach(), h.grad, w_grad))
+    finally:
+        if main_grad:
+            keywords["config"].gradient_accumulation_fusion = False
+            del weight.main_grad
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
