@@ -292,3 +292,75 @@ def test_mtp_depths_add_into_main_grad_too():
     handle.remove()
     assert layer.weight.grad_added_to_main_grad
     assert ((layer.weight.main_grad - ref).norm() / ref.norm()) < 1e-6
+
+
+def _handoff_nodes(root) -> int:
+    """How many main_grad hand-off nodes the graph below ``root`` holds."""
+    seen, stack, count = set(), [root], 0
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += type(node).__name__ == "_MainGradHandoffBackward"
+        stack.extend(n for n, _ in node.next_functions)
+    return count
+
+
+def test_one_placeholder_per_backward_for_the_head_and_every_mtp_depth():
+    """The main head and two MTP depths route the same weight into main_grad: one hand-off node
+    (one [V/tp, h] placeholder per backward, as Megatron's own layer makes), not one per call
+    for autograd to sum. Two micro-batches interleaved as 1F1B does (forward, forward,
+    backward, backward) each get theirs, and main_grad is the sum of both, as without the
+    route."""
+    import types
+
+    from mcore_hooks.mtp import MTPDepth, fused_mtp_loss
+
+    g = torch.Generator().manual_seed(4)
+    s, b, h, v = 5, 2, 8, 30
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(h, v, bias=False)
+
+    def forward(fused, seed):
+        gg = torch.Generator().manual_seed(seed)
+        config = types.SimpleNamespace(context_parallel_size=1, gradient_accumulation_fusion=fused)
+        hidden = torch.randn(s, b, h, generator=gg, requires_grad=True)
+        labels = torch.randint(0, v, (b, s), generator=gg)
+        kw = hook_keywords(hidden, layer, labels=labels, context=_inputs((b, s), gg))
+        kw["config"] = config
+        loss = PolicyLossProcessor(loss=CFG)(**kw)["loss"]
+        for depth in range(2):
+            d = MTPDepth(hidden * (depth + 2), labels, layer.weight, layer, 1.0, 0, 1, config, None,
+                         0, 1, depth, False)
+            loss = loss + fused_mtp_loss(d).loss.sum() * 0.1
+        return loss
+
+    results = {}
+    for fused in (False, True):
+        handle = ddp_like(layer.weight, zero_out_wgrad=False)
+        first, second = forward(fused, 1), forward(fused, 2)
+        if fused:
+            assert _handoff_nodes(first.grad_fn) == 1 and _handoff_nodes(second.grad_fn) == 1
+        first.backward()
+        second.backward()
+        results[fused] = layer.weight.main_grad.clone()
+        handle.remove()
+    assert ((results[True] - results[False]).norm() / results[False].norm()) < 1e-6
+
+
+def test_the_hand_off_adds_a_gradient_from_anything_else_into_main_grad():
+    """Whatever else uses the routed weight (not a kernel, which adds into main_grad itself)
+    hands the hand-off a real gradient: it goes into main_grad too, never dropped."""
+    import types
+
+    from mcore_hooks import compat
+
+    layer = torch.nn.Linear(4, 6, bias=False)
+    handle = ddp_like(layer.weight, zero_out_wgrad=False)
+    config = types.SimpleNamespace(gradient_accumulation_fusion=True)
+    routed, _ = compat.main_grad_route(layer.weight, config)
+    (routed ** 2).sum().backward()
+    handle.remove()
+    torch.testing.assert_close(layer.weight.main_grad, 2 * layer.weight.detach())
+    assert layer.weight.grad_added_to_main_grad and layer.weight.grad is None
