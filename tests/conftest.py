@@ -2,8 +2,6 @@ import os
 
 import pytest
 
-from mcore_hooks._quiet import KNOWN_NOTES
-
 
 def pytest_configure(config):
     # Megatron Core's notes about itself on a CPU machine (missing TE/Apex, deprecated classes),
@@ -20,6 +18,8 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover
     pass
+
+from mcore_hooks._quiet import KNOWN_NOTES  # noqa: E402  (after the interpreter switch)
 
 
 # CI replays the same property-test examples every run (a failure there is reproducible, never a

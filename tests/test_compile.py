@@ -248,3 +248,17 @@ def test_keywords_from_a_megatron_model_compile_whole(main_grad):
             del weight.main_grad
     for eager, compiled in zip(*results):
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+def test_the_ops_outputs_that_carry_no_gradient_are_detached():
+    """Through the ops, as through the autograd Functions before them: the policy loss's
+    per-token log-probs and entropies are detached (metrics), and so is the log-prob pass's
+    ``logz``; the log-prob and entropy of that pass carry gradients."""
+    layer, hidden, labels, mask = _data()
+    x = hidden.reshape(-1, H).requires_grad_()
+    y = labels.t().reshape(-1)
+    r = linear_policy_loss(x, layer.weight, y, token_weight=mask.t().reshape(-1), backend="torch",
+                           inputs={"old_logprobs": torch.zeros(B * S), "advantages": torch.ones(B * S)})
+    assert r.loss.requires_grad and not r.logprob.requires_grad and not r.entropy.requires_grad
+    s = linear_logprob_entropy(x, layer.weight, y, backend="torch")
+    assert s.logprob.requires_grad and s.entropy.requires_grad and not s.logz.requires_grad

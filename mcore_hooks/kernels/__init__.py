@@ -21,7 +21,7 @@ import torch
 
 from ..debug import check_values
 from . import ops
-from .autograd import Backend, LinearFusedLoss, TokenLoss, group_rank_size
+from .autograd import Backend, TokenLoss, group_rank_size
 from .losses import PerTokenLoss, PolicyLoss, PolicyLossResult, WeightedNLL, aggregation_weights, per_token_loss
 from .options import KernelParams, VocabParallel
 from .torch_chunked import TorchChunked
@@ -284,7 +284,7 @@ def _fused(hidden, weight, p: KernelParams, token_weight: torch.Tensor,
     what is added into it, and is otherwise known only in the backward), the log-prob pass and
     the terms in torch, the logits recomputed in the backward; without gradients, the log-prob
     pass alone. The NLL and :class:`PolicyLoss` run as a custom op; a Python function's loss
-    through :class:`LinearFusedLoss`."""
+    through :class:`~.ops.LinearFusedLoss`."""
     need_x = hidden.requires_grad and torch.is_grad_enabled()
     need_w = weight.requires_grad and torch.is_grad_enabled()
     in_forward = p.weight_grad_accumulator is None or p.upstream_grad is not None
@@ -296,7 +296,7 @@ def _fused(hidden, weight, p: KernelParams, token_weight: torch.Tensor,
     token_loss = (WeightedNLL(token_weight) if loss is None
                   else per_token_loss(loss).bind(token_weight, inputs, p.valid) if as_data else loss)
     if (need_x or need_w) and in_forward:
-        return LinearFusedLoss.apply(hidden, weight, p, token_loss, need_x, need_w)
+        return ops.LinearFusedLoss.apply(hidden, weight, p, token_loss, need_x, need_w)
     logprob, entropy, _, _ = ops.stats(hidden, weight, p)
     ent = entropy if token_loss.needs_entropy else None
     loss = torch.where(p.valid, token_loss.terms(slice(0, p.n), logprob, ent), 0.0).sum()
@@ -353,7 +353,7 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
     backend_impl = _select_backend(backend, hidden)
     if chunk_size is None:
         chunk_size = (
-            _fused_chunk_size(backend_impl, n, weight.shape[0], hidden.element_size(),
+            _fused_chunk_size(_backend_class(backend_impl), n, weight.shape[0], hidden.element_size(),
                               into_accumulator=accumulator is not None and upstream_grad is not None)
             if fused else default_chunk_size(weight.shape[0])
         )
@@ -414,7 +414,7 @@ def check_upstream_grad_option(upstream_grad: Any) -> None:
         raise ValueError(f"upstream_grad: expected a finite value, got {upstream_grad!r}")
 
 
-def _fused_chunk_size(backend: Backend, n: int, v_local: int, itemsize: int,
+def _fused_chunk_size(backend: type[Backend], n: int, v_local: int, itemsize: int,
                       into_accumulator: bool = False) -> int:
     """Tokens per chunk of the losses with gradients formed in the forward: the chunk's logit
     gradient (input dtype) and half a chunk of fp32 logits within the backend's budget, balanced
@@ -430,19 +430,20 @@ def _fused_chunk_size(backend: Backend, n: int, v_local: int, itemsize: int,
     return up if up <= most else even // 256 * 256
 
 
-def _select_backend(name: str, hidden: torch.Tensor) -> Backend:
-    """``auto``: Triton for bf16/fp16 on a CUDA GPU it has tiles for, else the torch backend."""
-    from . import triton_fused
-
+def _select_backend(name: str, hidden: torch.Tensor) -> str:
+    """``auto``: Triton for bf16/fp16 on a CUDA GPU it has tiles for, else the torch backend.
+    Returns the backend's name (the ops build it where they run)."""
     low_precision = hidden.dtype in (torch.bfloat16, torch.float16)
-    tiles = triton_fused.device_tiles(hidden.device)
+    tiles = _tiles_name(hidden.device)
     if name == "triton":
-        if tiles is None or not low_precision:
+        if not tiles or not low_precision:
+            from . import triton_fused
+
             why = (
                 "triton is not importable" if triton_fused.triton is None
                 else "not a CUDA device" if hidden.device.type != "cuda"
                 else "no tile configuration fits this GPU (compute capability 8.0+ and 64 KiB of "
-                "shared memory per block)" if tiles is None
+                "shared memory per block)" if not tiles
                 else f"{hidden.dtype} inputs"
             )
             raise ValueError(
@@ -450,20 +451,35 @@ def _select_backend(name: str, hidden: torch.Tensor) -> Backend:
                 f"8.0+ with Triton installed, got {hidden.dtype} on {hidden.device} ({why}); "
                 "backend='auto' falls back to 'torch'"
             )
-        backend: Backend = triton_fused.TritonFused(tiles)
-    elif name == "auto" and low_precision and hidden.is_cuda and tiles is not None:
-        backend = triton_fused.TritonFused(tiles)
+        chosen = "triton"
+    elif name == "auto" and low_precision and hidden.is_cuda and tiles:
+        chosen = "triton"
     else:
-        backend = TorchChunked()
+        chosen = "torch"
     if not torch.compiler.is_compiling():  # logged from eager calls (Dynamo cannot trace logging)
-        _log_choice(name, backend_name(backend), hidden.dtype, hidden.device)
-    return backend
+        _log_choice(name, backend_name(chosen, tiles), hidden.dtype, hidden.device)
+    return chosen
 
 
-def backend_name(backend: Backend) -> str:
+def _tiles_name(device: torch.device) -> str:
+    """The name of the Triton tiles that run on ``device`` ("" where Triton cannot run)."""
+    from . import triton_fused
+
+    tiles = triton_fused.device_tiles(device)
+    return "" if tiles is None else tiles.name
+
+
+def _backend_class(name: str) -> type[Backend]:
+    if name == "torch":
+        return TorchChunked
+    from . import triton_fused
+
+    return triton_fused.TritonFused
+
+
+def backend_name(name: str, tiles: str = "") -> str:
     """``"torch"``, or ``"triton"`` with its tiles' name (``"triton (sm_90 tiles)"``)."""
-    tiles = getattr(backend, "tiles", None)
-    return backend.name if tiles is None else f"{backend.name} ({tiles.name} tiles)"
+    return name if name == "torch" else f"{name} ({tiles} tiles)"
 
 
 def backend_for(dtype: torch.dtype, device: Union[str, torch.device], backend: str = "auto") -> str:
@@ -491,7 +507,7 @@ def backend_for(dtype: torch.dtype, device: Union[str, torch.device], backend: s
         # which tiles would run depends on the GPU, and there is none to ask
         return "none: no CUDA device here (on a GPU, 'triton (<family> tiles)' or 'torch')"
     probe = torch.empty(0, dtype=dtype, device=device)
-    return backend_name(_select_backend(backend, probe))
+    return backend_name(_select_backend(backend, probe), _tiles_name(device))
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,7 +9,7 @@ MAX and a SUM all-reduce per batch, or per chunk of the fused loss), gathers seq
 hidden states once, and reduces their gradient once (all-reduce, or reduce-scatter under sequence
 parallelism), so the backends' kernels stay pure math. Options travel as one frozen
 :class:`~.options.KernelParams`. The passes run as custom ops (:mod:`.ops`); only a loss given
-as a Python function runs through :class:`LinearFusedLoss` here.
+as a Python function runs through :class:`~.ops.LinearFusedLoss`, outside the ops.
 
 Per token, with ``l = coef * (x @ W.T)`` (``coef = logit_scale / temperature``) over the full
 vocabulary, ``m = max l``, ``s = sum exp(l - m)``, ``logZ = m + log s``, ``p = exp(l - logZ)``:
@@ -350,45 +350,6 @@ def reduce_hidden_grad(dx: torch.Tensor, group, sequence_parallel: bool) -> torc
     if sequence_parallel:
         return reduce_scatter_tokens(dx, group)
     return all_reduce(dx, dist.ReduceOp.SUM, group)
-
-
-class LinearFusedLoss(torch.autograd.Function):
-    """A :class:`TokenLoss` summed over tokens, a float32 scalar, with its gradients formed in
-    the forward (:meth:`Backend.fused_loss`); also returns the detached per-token log-probs and
-    entropies (zeros where the loss did not need them). dX and dW are kept in float32 until the
-    backward scales them by the upstream gradient, so each is rounded to the input dtype once,
-    as the stock single matmul rounds it. With a declared upstream gradient
-    (``KernelParams.upstream_grad``) dW is already in the accumulator, scaled by it, and the
-    backward checks that the gradient it gets is that one."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, p: KernelParams, token_loss: TokenLoss, need_x: bool,
-                need_w: bool):
-        x = gather_tokens(hidden, p.group) if p.sequence_parallel else hidden
-        local_label = local_labels(p.labels, p.valid, p.vocab_start, weight.shape[0])
-        r = p.backend.fused_loss(x, weight, p, local_label, token_loss, need_x, need_w)
-        ctx.save_for_backward(r.dx, r.dw)
-        ctx.params, ctx.hidden_shape, ctx.dtype = p, hidden.shape, x.dtype
-        ctx.weight_shape = weight.shape
-        entropy = r.entropy if r.entropy is not None else torch.zeros_like(r.logprob)
-        ctx.mark_non_differentiable(r.logprob, entropy)
-        return r.loss.sum(), r.logprob, entropy
-
-    @staticmethod
-    def backward(ctx, grad, _d_logprob, _d_entropy):
-        dx32, dw32 = ctx.saved_tensors
-        p: KernelParams = ctx.params
-        dx = dw = None
-        if dx32 is not None:
-            dx = torch.mul(dx32, grad, out=torch.empty(dx32.shape, dtype=ctx.dtype, device=dx32.device))
-            dx = reduce_hidden_grad(dx, p.group, p.sequence_parallel).view(ctx.hidden_shape)
-        if dw32 is not None:
-            dw = torch.mul(dw32, grad, out=torch.empty(dw32.shape, dtype=ctx.dtype, device=dw32.device))
-        elif p.upstream_grad is not None and ctx.needs_input_grad[1]:
-            check_upstream_grad(grad, p.upstream_grad)
-            if p.dummy_weight_grad:
-                dw = placeholder_grad_like(ctx.weight_shape, ctx.dtype, grad.device)
-        return dx, dw, None, None, None, None
 
 
 def check_upstream_grad(grad: torch.Tensor, declared: float) -> None:

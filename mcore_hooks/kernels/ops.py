@@ -52,15 +52,10 @@ def _backend(name: str, device: torch.device) -> ag.Backend:
     return triton_fused.TritonFused(triton_fused.device_tiles(device))
 
 
-def backend_arg(backend: ag.Backend) -> str:
-    """A backend as an op argument (its tiles follow from the device)."""
-    return backend.name
-
-
 def _params(labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
-            device, accumulator=None, upstream_grad=None) -> KernelParams:
+            accumulator=None, upstream_grad=None) -> KernelParams:
     return KernelParams(labels, valid, coef, vocab_start, _group(group), sequence_parallel,
-                        chunk_size, _backend(backend, device), accumulator, False, upstream_grad)
+                        chunk_size, backend, accumulator, False, upstream_grad)
 
 
 def _none_if_empty(t: Tensor) -> Optional[Tensor]:
@@ -85,11 +80,11 @@ def logsoftmax_stats(
     last three are for the backward (the gathered hidden states only under sequence parallelism,
     else empty). ``accumulator`` and ``placeholder`` are for the backward alone (where the
     weight's gradient goes; whether the weight then gets a zero-stride placeholder)."""
-    p = _params(labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
-                hidden.device)
-    x = ag.gather_tokens(hidden, p.group) if sequence_parallel else hidden
+    pg = _group(group)
+    x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
     local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
-    st = ag.combine(p.backend.local_stats(x, weight, coef, local_label, chunk_size), p.group)
+    local = _backend(backend, hidden.device).local_stats(x, weight, coef, local_label, chunk_size)
+    st = ag.combine(local, pg)
     logprob = torch.where(valid, st.logprob(), 0.0)
     entropy = torch.where(valid, st.entropy, 0.0)
     return (logprob, entropy, st.max + st.log_s, valid & ag.label_is_row_max(st), st.max, st.log_s,
@@ -115,13 +110,12 @@ def logsoftmax_stats_backward(
     """``(dX, dW)`` of ``sum g_logprob * logprob + g_entropy * entropy`` (``x`` all tokens; dX
     reduced over the group, this rank's shard under sequence parallelism); empty where not
     asked for, or dW where it went into ``accumulator``."""
-    p = _params(labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
-                x.device)
     local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
-    dx, dw = p.backend.grads(x, weight, coef, local_label, m, log_s, entropy, g_logprob, g_entropy,
-                             chunk_size, need_x, need_w, accumulator if need_w else None)
+    dx, dw = _backend(backend, x.device).grads(
+        x, weight, coef, local_label, m, log_s, entropy, g_logprob, g_entropy, chunk_size, need_x,
+        need_w, accumulator if need_w else None)
     if dx is not None:
-        dx = ag.reduce_hidden_grad(dx, p.group, sequence_parallel)
+        dx = ag.reduce_hidden_grad(dx, _group(group), sequence_parallel)
     return (_nothing(x) if dx is None else dx), (_nothing(weight) if dw is None else dw)
 
 
@@ -141,7 +135,11 @@ def _fake_group_size(name: Optional[str]) -> int:
 def _stats_setup(ctx, inputs, output):
     (hidden, weight, labels, valid, coef, vocab_start, group, sp, chunk_size, backend, accumulator,
      placeholder) = inputs
-    _, entropy, _, _, m, log_s, gathered = output
+    _, entropy, logz, _, m, log_s, gathered = output
+    # only the log-prob and entropy carry gradients; the rest are for the backward or detached
+    # by contract (and no zeros are made for the gradients of outputs the loss did not use)
+    ctx.mark_non_differentiable(logz, m, log_s, gathered)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(gathered if sp else hidden, weight, labels, valid, coef, m, log_s, entropy)
     ctx.args = (vocab_start, group, sp, chunk_size, backend)
     # not saved: it is written between this forward and its backward by design (other
@@ -176,7 +174,7 @@ def stats(hidden: Tensor, weight: Tensor, p: KernelParams) -> tuple[Tensor, Tens
     and ``weight`` (the weight's gradient into ``p.weight_grad_accumulator`` where one is given)."""
     out = logsoftmax_stats(hidden, weight, p.labels, p.valid, p.coef, p.vocab_start,
                            group_name(p.group), p.sequence_parallel, p.chunk_size,
-                           backend_arg(p.backend), p.weight_grad_accumulator, p.dummy_weight_grad)
+                           p.backend, p.weight_grad_accumulator, p.dummy_weight_grad)
     return out[0], out[1], out[2], out[3]
 
 
@@ -214,11 +212,11 @@ def _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequenc
                 chunk_size, backend, accumulator, upstream_grad, token_weight, policy, inputs,
                 need_x, need_w):
     p = _params(labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
-                hidden.device, accumulator, upstream_grad)
+                accumulator, upstream_grad)
     x = ag.gather_tokens(hidden, p.group) if sequence_parallel else hidden
     local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
-    r = p.backend.fused_loss(x, weight, p, local_label, _token_loss(token_weight, policy, inputs, valid),
-                             need_x, need_w)
+    r = _backend(backend, hidden.device).fused_loss(
+        x, weight, p, local_label, _token_loss(token_weight, policy, inputs, valid), need_x, need_w)
     entropy = r.entropy if r.entropy is not None else torch.zeros_like(r.logprob)
     return (r.loss.sum(), r.logprob, entropy, _nothing(x) if r.dx is None else r.dx,
             _nothing(weight) if r.dw is None else r.dw)
@@ -256,7 +254,11 @@ def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel
 
 def _fused_setup(ctx, inputs, output):
     hidden, weight, _, _, _, _, group, sp = inputs[:8]
-    _, _, _, dx32, dw32 = output
+    _, logprob, entropy, dx32, dw32 = output
+    # the loss alone carries a gradient: the per-token values are detached by contract, the
+    # float32 gradients are for the backward (no zeros made for their gradients)
+    ctx.mark_non_differentiable(logprob, entropy, dx32, dw32)
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(dx32, dw32)
     ctx.group, ctx.sp, ctx.num_inputs = group, sp, len(inputs[12])
     ctx.hidden_shape, ctx.dtype = hidden.shape, hidden.dtype
@@ -275,6 +277,8 @@ def _hidden_grad(ctx, dx32: Tensor, grad: Tensor) -> Optional[Tensor]:
 
 def _fused_backward(ctx, grad, *_):
     dx32, dw32 = ctx.saved_tensors
+    if grad is None:
+        grad = torch.zeros((), dtype=_F32, device=dx32.device)
     dw = _scaled(dw32, grad, ctx.dtype) if ctx.needs_input_grad[1] and dw32.numel() else None
     # one entry per input, a list for the list of tensors
     return (_hidden_grad(ctx, dx32, grad), dw) + (None,) * 10 + ([None] * ctx.num_inputs, None, None)
@@ -336,7 +340,7 @@ def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Te
     :class:`PolicyLoss`, gradients formed in the forward, through the ops."""
     data = None if policy is None else policy_loss_data(policy)
     args = (p.labels, p.valid, p.coef, p.vocab_start, group_name(p.group), p.sequence_parallel,
-            p.chunk_size, backend_arg(p.backend))
+            p.chunk_size, p.backend)
     if p.upstream_grad is not None and p.weight_grad_accumulator is not None:
         return _FusedIntoAccumulator.apply(
             hidden, weight, args + (p.weight_grad_accumulator, p.upstream_grad, token_weight, data,
@@ -379,3 +383,45 @@ def reduce_hidden_grad(dx: Tensor, group: Optional[str], sequence_parallel: bool
         return reduce_scatter_tokens(dx, group)
     all_reduce_(dx, group)
     return dx
+
+
+# --------------------------------------------------------------------------- a loss given as a Python function
+
+
+class LinearFusedLoss(torch.autograd.Function):
+    """A :class:`~.autograd.TokenLoss` that is not data (a Python function, bound to its inputs)
+    summed over tokens, with its gradients formed in the forward (``Backend.fused_loss``), as
+    the ``fused_token_loss`` ops do; not an op, so ``torch.compile`` breaks the graph here. dX and
+    dW stay float32 until the backward scales them by the upstream gradient (one rounding each,
+    as the stock single matmul's). With a declared upstream gradient dW is already in the
+    accumulator, scaled by it, and the backward checks that the gradient it gets is that one."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, p: KernelParams, token_loss: ag.TokenLoss, need_x: bool,
+                need_w: bool):
+        x = ag.gather_tokens(hidden, p.group) if p.sequence_parallel else hidden
+        local_label = ag.local_labels(p.labels, p.valid, p.vocab_start, weight.shape[0])
+        r = _backend(p.backend, hidden.device).fused_loss(x, weight, p, local_label, token_loss,
+                                                          need_x, need_w)
+        ctx.save_for_backward(r.dx, r.dw)
+        ctx.params, ctx.hidden_shape, ctx.dtype = p, hidden.shape, x.dtype
+        ctx.weight_shape = weight.shape
+        entropy = r.entropy if r.entropy is not None else torch.zeros_like(r.logprob)
+        ctx.mark_non_differentiable(r.logprob, entropy)
+        return r.loss.sum(), r.logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad, _d_logprob, _d_entropy):
+        dx32, dw32 = ctx.saved_tensors
+        p: KernelParams = ctx.params
+        dx = dw = None
+        if dx32 is not None:
+            dx = ag.reduce_hidden_grad(_scaled(dx32, grad, ctx.dtype), p.group, p.sequence_parallel)
+            dx = dx.view(ctx.hidden_shape)
+        if dw32 is not None:
+            dw = _scaled(dw32, grad, ctx.dtype)
+        elif p.upstream_grad is not None and ctx.needs_input_grad[1]:
+            ag.check_upstream_grad(grad, p.upstream_grad)
+            if p.dummy_weight_grad:
+                dw = ag.placeholder_grad_like(ctx.weight_shape, ctx.dtype, grad.device)
+        return dx, dw, None, None, None, None

@@ -37,7 +37,8 @@ class KernelParams:
         group: the tensor-parallel group (None when the vocabulary is not split).
         sequence_parallel: ``hidden`` is this rank's token shard (gathered, gradient scattered).
         chunk_size: tokens per chunk of the backend's loops.
-        backend: the backend that runs the loops (:class:`~mcore_hooks.kernels.autograd.Backend`).
+        backend: the name of the backend that runs the loops (``"torch"`` or ``"triton"``; the
+            ops build the :class:`~mcore_hooks.kernels.autograd.Backend` where they run).
         weight_grad_accumulator: a float32 ``[V_local, H]`` tensor the weight's gradient is added
             into (Megatron's ``main_grad``) instead of being returned; None: returned as usual.
         dummy_weight_grad: with an accumulator, return a zero-stride zero tensor as the weight's
