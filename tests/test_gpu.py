@@ -155,6 +155,113 @@ def test_processors_never_synchronise_with_the_host(packed):
             delattr(weight, name)
 
 
+# --------------------------------------------------------------------------- torch.compile, CUDA graphs
+
+
+def _compile_cases():
+    from mcore_hooks.integrations import NemoRLLogprobProcessor, VerlFusedProcessor
+    from mcore_hooks.processors import (
+        EntropyProcessor,
+        FusedLogprobProcessor,
+        LinearCEProcessor,
+        LogprobEntropyProcessor,
+        PolicyLossProcessor,
+    )
+
+    return {
+        "fused-logprob": FusedLogprobProcessor, "entropy": EntropyProcessor,
+        "logprob-entropy": LogprobEntropyProcessor, "linear-ce": LinearCEProcessor,
+        "policy": PolicyLossProcessor, "verl": VerlFusedProcessor,
+        "nemo-rl": lambda: NemoRLLogprobProcessor(temperature=0.7),
+    }
+
+
+def _one_number(out):
+    if isinstance(out, dict):
+        return sum((i + 1) * v.float().sum() for i, v in enumerate(out.values())
+                   if torch.is_tensor(v) and v.requires_grad)
+    if hasattr(out, "log_probs"):
+        return out.log_probs.sum() + 0.5 * out.entropy.sum()
+    return out.float().sum()
+
+
+@pytest.mark.parametrize("case", ["fused-logprob", "entropy", "logprob-entropy", "linear-ce",
+                                  "policy", "verl", "nemo-rl"])
+def test_every_processor_compiles_whole_with_inductor(case):
+    """``torch.compile(fullgraph=True)`` (Inductor) around each processor on the Triton backend,
+    the keywords from a bf16 GPTModel's forward: no graph break, and the eager values and
+    gradients. The kernels are opaque ops that run the eager code; Inductor may only reorder
+    the float32 masks and sums around them (1e-6), and the bf16 gradients are the ops' own."""
+    from mcore_hooks.testing import model_parallel
+
+    with model_parallel(tp=1):
+        kwargs, _ = _hook_keywords(False)
+        processor = _compile_cases()[case]()
+        shape = kwargs["labels"].shape
+        g = torch.Generator(device="cuda").manual_seed(0)
+        context = {"old_logprobs": -torch.rand(shape, device="cuda", generator=g) * 3,
+                   "advantages": torch.randn(shape, device="cuda", generator=g)}
+        labels = kwargs["input_ids"] if case == "nemo-rl" else kwargs["labels"]
+        call = dict(kwargs, labels=labels, context=context if case == "policy" else None)
+        weight = kwargs["output_layer"].weight
+
+        def step(h):
+            return _one_number(processor(**dict(call, hidden_states=h)))
+
+        torch._dynamo.reset()
+        results = []
+        for run in (step, torch.compile(step, fullgraph=True)):
+            h = kwargs["hidden_states"].detach().clone().requires_grad_()
+            weight.grad = None
+            out = run(h)
+            out.backward()
+            results.append((out.detach(), h.grad, weight.grad))
+        (a, ah, aw), (b, bh, bw) = results
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(bh, ah, rtol=0, atol=0)
+        torch.testing.assert_close(bw, aw, rtol=0, atol=0)
+
+
+def test_kernels_in_cuda_graphs_are_bitwise_eager():
+    """``torch.cuda.make_graphed_callables`` (forward and backward captured) and
+    ``torch.compile(mode="reduce-overhead")`` (CUDA graphs under Inductor) around the log-prob
+    pass and the fused policy loss: replays give the eager results bit for bit."""
+    from mcore_hooks.kernels import linear_logprob_entropy, linear_policy_loss
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    n, hidden, vocab = 1024, 256, 8191
+    x = torch.randn(n, hidden, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) / 16).bfloat16().requires_grad_()
+    y = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    tw = torch.rand(n, device="cuda", generator=g)
+    inputs = {"old_logprobs": -torch.rand(n, device="cuda", generator=g) * 3,
+              "advantages": torch.randn(n, device="cuda", generator=g)}
+
+    def logprob(xx, ww):
+        r = linear_logprob_entropy(xx, ww, y, temperature=0.9)
+        return r.logprob, r.entropy
+
+    def policy(xx, ww):
+        return linear_policy_loss(xx, ww, y, token_weight=tw, inputs=inputs).loss
+
+    def run(fn, xx, ww):
+        out = fn(xx, ww)
+        outs = out if isinstance(out, tuple) else (out,)
+        gx, gw = torch.autograd.grad(sum(o.float().sum() * (i + 1) for i, o in enumerate(outs)), [xx, ww])
+        return [o.detach().clone() for o in outs] + [gx.clone(), gw.clone()]
+
+    for fn in (logprob, policy):
+        eager = run(fn, x, w)
+        graphed = torch.cuda.make_graphed_callables(fn, (x, w))
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, mode="reduce-overhead", fullgraph=True)
+        for wrapped in (graphed, compiled):
+            for _ in range(3):  # warm-up, record, replay
+                got = run(wrapped, x, w)
+            for a, b in zip(eager, got):
+                assert torch.equal(a, b)
+
+
 # --------------------------------------------------------------------------- 2 GPUs
 
 
