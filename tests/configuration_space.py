@@ -3,10 +3,15 @@
 Each combination runs every bundled processor and both integrations under tensor parallelism
 (vocab-parallel output weight), sequence parallelism, context parallelism (Megatron's
 load-balanced layout, per packed sequence for THD), packed sequences, tied weights, scalar or
-per-sample temperatures, given or derived labels, a loss mask, and the output weight's gradient
-into ``main_grad`` (with and without a declared ``upstream_grad``) on 4 gloo CPU ranks in float32,
-and compares values and gradients with the same processor on the unsplit batch (itself checked
-against stock Megatron by the rest of the suite). A combination either matches or is refused
+per-sample temperatures, given or derived labels, a loss mask, the output weight's gradient
+into ``main_grad`` (with and without a declared ``upstream_grad``), the path the gradient takes
+(``forward``: the loss's backward; ``plan``: the combined-1F1B plan's post-process node, its loss
+node handing back each output's gradient, the processors returning tuples), which outputs the
+loss uses (all, or the first: an entropy only logged), a non-reentrant activation-checkpointed
+region around the call, two MTP depths' fused loss on the same weight, and the deferred
+embedding weight gradient of pipeline parallelism (``defer_embedding_wgrad_compute``), on 4
+gloo CPU ranks in float32, and compares values and gradients with the same processor on the
+unsplit batch (itself checked against stock Megatron by the rest of the suite). A combination either matches or is refused
 before anything is written, with an error naming it. ``python tests/configuration_space.py``
 prints the matrix as the README's table.
 
@@ -38,8 +43,14 @@ OPTIONS: dict[str, tuple] = {
     "labels": ("given", "derived"),
     "loss_mask": (False, True),
     "main_grad": ("off", "on", "declared"),
+    "path": ("forward", "plan"),
+    "uses": ("all", "first"),
+    "checkpoint": ("none", "region"),
+    "mtp": (0, 2),
+    "defer_wgrad": (False, True),
 }
 DECLARABLE = ("ce-sum", "ce-mean", "policy-token-mean", "policy-seq-mean-token-mean")
+TWO_OUTPUTS = ("logprob-entropy", "verl")  # two differentiable outputs: the loss may use one
 B, S, H, V = 2, 8, 8, 32
 LENGTHS, PADDED = (5, 7), (8, 8)  # packed: real and padded (a multiple of 2 cp * tp) lengths
 UPSTREAM = 0.5  # the gradient the reduced losses receive: loss * 0.5
@@ -57,34 +68,60 @@ class Combo:
     labels: str
     loss_mask: bool
     main_grad: str
+    path: str = "forward"
+    uses: str = "all"
+    checkpoint: str = "none"
+    mtp: int = 0
+    defer_wgrad: bool = False
 
     def name(self) -> str:
         parts = [self.processor, f"tp{self.tp}", "sp" if self.sp else "", f"cp{self.cp}",
                  "thd" if self.packed else "bshd", "tied" if self.tied else "",
                  "T[b]" if self.temperature == "per-sample" else "", f"labels-{self.labels}",
-                 "mask" if self.loss_mask else "", f"main_grad-{self.main_grad}"]
+                 "mask" if self.loss_mask else "", f"main_grad-{self.main_grad}", self.path,
+                 "uses-first" if self.uses == "first" else "",
+                 "checkpointed" if self.checkpoint == "region" else "",
+                 f"mtp{self.mtp}" if self.mtp else "", "defer-wgrad" if self.defer_wgrad else ""]
         return " ".join(p for p in parts if p)
 
 
 def valid(c: dict) -> bool:
-    """Combinations that exist: SP needs TP; only the reduced losses take an upstream_grad."""
+    """Combinations that exist: SP needs TP; only the reduced losses take an upstream_grad; only
+    a processor with two differentiable outputs can have one of them unused."""
     if c.get("sp") and c.get("tp") == 1:
         return False
     if c.get("main_grad") == "declared" and c.get("processor") not in (None, *DECLARABLE):
+        return False
+    if c.get("uses") == "first" and c.get("processor") not in (None, *TWO_OUTPUTS):
+        return False
+    if c.get("uses") == "first" and c.get("main_grad") == "declared":  # no processor has both
         return False
     return True
 
 
 def expected_refusal(c: Combo) -> Optional[str]:
-    """The error a combination must raise before anything runs (a regex), or None: exact."""
+    """The error a combination must raise before anything runs (a regex; any of them where
+    several apply), or None: exact."""
+    why = []
     if c.labels == "derived" and c.cp > 1 and c.processor != "nemo-rl":
-        return "labels: must be passed .* under context parallelism"
-    return None
+        why.append("labels: must be passed .* under context parallelism")
+    if c.defer_wgrad:
+        why.append("defer_embedding_wgrad_compute: the output layer defers its weight gradient")
+    if c.main_grad == "declared" and c.checkpoint == "region":
+        why.append("upstream_grad: the loss is computed under saved-tensor hooks")
+    return "|".join(why) or None
+
+
+def _refused_pair(a: str, va: Any, b: str, vb: Any) -> bool:
+    """A pair of option values that is refused whatever the other options are."""
+    d = {a: va, b: vb}
+    return d.get("defer_wgrad") is True or (d.get("main_grad") == "declared" and d.get("checkpoint") == "region")
 
 
 def covering_set() -> list[Combo]:
     """A deterministic set of valid combinations in which every pair of option values (that can
-    meet) appears at least once: greedy, each new row the candidate covering most uncovered pairs."""
+    meet) appears at least once in a row that runs, or, for a pair refused whatever else is set,
+    in a refused row: greedy, each new row the candidate covering most uncovered pairs."""
     names = list(OPTIONS)
     uncovered = set()
     for (i, a), (j, b) in itertools.combinations(enumerate(names), 2):
@@ -105,16 +142,26 @@ def covering_set() -> list[Combo]:
             cand[names[i]], cand[names[j]] = va, vb
             if not valid(cand):
                 continue
-            vals = [cand[n] for n in names]
-            gain = sum((i2, vals[i2], j2, vals[j2]) in uncovered
-                       for i2, j2 in itertools.combinations(range(len(names)), 2))
+            gain = len(_covers(cand, names) & uncovered)
             if gain > best_gain:
                 best, best_gain = cand, gain
-        vals = [best[n] for n in names]
-        for i2, j2 in itertools.combinations(range(len(names)), 2):
-            uncovered.discard((i2, vals[i2], j2, vals[j2]))
+        uncovered -= _covers(best, names)
         rows.append(Combo(**best))
+    # each refusal once on its own, otherwise plain options, so the matrix shows every reason
+    plain = {n: v[0] for n, v in OPTIONS.items()}
+    for alone in ({"labels": "derived", "cp": 2}, {"processor": "ce-sum", "main_grad": "declared",
+                  "checkpoint": "region"}, {"defer_wgrad": True}):
+        rows.append(Combo(**{**plain, **alone}))
     return rows
+
+
+def _covers(cand: dict, names: list) -> set:
+    """The pairs a row covers: all of them where it runs; where it is refused, only those that
+    are refused whatever else is set (the others were not exercised)."""
+    vals = [cand[n] for n in names]
+    refused = expected_refusal(Combo(**cand)) is not None
+    return {(i, vals[i], j, vals[j]) for i, j in itertools.combinations(range(len(names)), 2)
+            if not refused or _refused_pair(names[i], vals[i], names[j], vals[j])}
 
 
 def random_combos(n: int, seed: int) -> list[Combo]:
@@ -197,43 +244,68 @@ def _processor(c: Combo, d: dict):
         return FusedLogprobProcessor(temperature=t)
     if p == "entropy":
         return EntropyProcessor(temperature=t, mask_from_labels=True)
+    plan = c.path == "plan"  # the plan takes tensors and tuples of tensors
     if p == "logprob-entropy":
         return LogprobEntropyProcessor(temperature=t, as_tuple=True)
     if p.startswith("ce-"):
         return LinearCEProcessor(reduction=p[3:], temperature=t, upstream_grad=up)
     if p.startswith("policy-"):
-        return PolicyLossProcessor(aggregation=p[len("policy-"):], temperature=t, upstream_grad=up)
+        return PolicyLossProcessor(aggregation=p[len("policy-"):], temperature=t, upstream_grad=up,
+                                   as_tuple=plan)
     if p == "verl":
-        return VerlFusedProcessor()  # the temperature comes in the context
+        return VerlFusedProcessor(as_tuple=plan)  # the temperature comes in the context
     return NemoRLLogprobProcessor(temperature=t)
 
 
-def _loss(c: Combo, out: Any, w_out: torch.Tensor) -> torch.Tensor:
+def _outputs(c: Combo, out: Any) -> tuple:
+    """What the processor returned as a tuple of tensors, in one order for both paths."""
+    p = c.processor
+    if p.startswith("policy-") and isinstance(out, dict):
+        return out["loss"], out["logprobs"], out["entropy"]
+    if p == "verl" and not isinstance(out, tuple):
+        return out.log_probs, out.entropy
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _loss(c: Combo, outs: tuple, w_out: torch.Tensor, mtp: Optional[torch.Tensor]) -> torch.Tensor:
     """The scalar the test backpropagates: the reduced loss times UPSTREAM, or a weighted sum of
-    the per-token outputs (the weights sliced like the outputs)."""
+    the per-token outputs (the weights sliced like the outputs; the second output left out
+    where the loss uses the first only), plus the MTP depths' loss."""
     p = c.processor
-    if p in ("ce-sum", "ce-mean"):
-        return out * UPSTREAM
-    if p.startswith("policy-"):
-        return out["loss"] * UPSTREAM
-    if p == "logprob-entropy":
-        return (out[0] * w_out).sum() + 0.3 * (out[1] * w_out).sum()
-    if p == "verl":
-        return (out.log_probs * w_out.reshape(-1)).sum() + 0.3 * (out.entropy * w_out.reshape(-1)).sum()
-    if p == "nemo-rl":
-        return (out * w_out[:, :-1]).sum()
-    return (out * w_out).sum()
+    second = c.uses == "all"
+    if p in ("ce-sum", "ce-mean") or p.startswith("policy-"):
+        loss = outs[0] * UPSTREAM
+    elif p == "logprob-entropy":
+        loss = (outs[0] * w_out).sum() + (0.3 * (outs[1] * w_out).sum() if second else 0.0)
+    elif p == "verl":
+        w = w_out.reshape(-1)
+        loss = (outs[0] * w).sum() + (0.3 * (outs[1] * w).sum() if second else 0.0)
+    elif p == "nemo-rl":
+        loss = (outs[0] * w_out[:, :-1]).sum()
+    else:
+        loss = (outs[0] * w_out).sum()
+    if mtp is None:
+        return loss
+    # NeMo RL's processor hands every CP rank the whole sequences' loss (its gradient counts cp
+    # times once summed over ranks, which check() allows for): the MTP term likewise
+    return loss + 0.2 * mtp * (c.cp if p == "nemo-rl" else 1)
 
 
-def _values(c: Combo, out: Any) -> list[torch.Tensor]:
-    p = c.processor
-    if p.startswith("policy-"):
-        return [out["loss"].detach(), out["logprobs"], out["entropy"]]
-    if p == "verl":
-        return [out.log_probs.detach(), out.entropy.detach()]
-    if isinstance(out, tuple):
-        return [o.detach() for o in out]
-    return [out.detach()]
+def _mtp_loss(c: Combo, d: dict, hidden, weight, layer, config, tp_group, tp_rank, pos) -> Optional[torch.Tensor]:
+    """Two MTP depths' fused loss on the same output weight (each depth's hidden states a
+    multiple of the main head's, its labels the main labels rolled), summed."""
+    if not c.mtp:
+        return None
+    from mcore_hooks.mtp import MTPDepth, fused_mtp_loss
+
+    total = 0.0
+    tp_rank = tp_rank if c.tp > 1 else 0  # an unsplit vocabulary: the whole of it on every rank
+    for k in range(1, c.mtp + 1):
+        labels = d["labels"].roll(-k, dims=1)[:, pos]
+        depth = MTPDepth(hidden * (1.0 + 0.5 * k), labels, weight, layer, 1.0, k, c.mtp, config,
+                         tp_group if c.tp > 1 else None, tp_rank, c.tp, tp_rank * (V // c.tp), c.sp)
+        total = total + (fused_mtp_loss(depth, backend="torch").loss * d["w_out"][:, pos]).sum()
+    return total
 
 
 def run(c: Combo, tp_group: Any, tp_rank: int, cp_group: Any, cp_rank: int) -> dict:
@@ -268,8 +340,11 @@ def run(c: Combo, tp_group: Any, tp_rank: int, cp_group: Any, cp_rank: int) -> d
 
         context = FusedOutputProcessorContext(temperature=d["temps"] if c.temperature == "per-sample" else 0.8)
     model = _Model(cp_group if c.cp > 1 else None)
+    if c.defer_wgrad:  # a pipeline stage whose output layer defers its weight gradient
+        layer.config = types.SimpleNamespace(defer_embedding_wgrad_compute=True)
+        layer.embedding_activation_buffer = []
     kwargs = dict(
-        hidden_states=hidden, output_layer=layer, output_weight=weight if c.tied else None,
+        output_layer=layer, output_weight=weight if c.tied else None,
         labels=labels[:, pos] if (c.labels == "given" or c.processor == "nemo-rl") else None,
         loss_mask=d["mask"][:, pos] if c.loss_mask else None, input_ids=d["ids"][:, pos],
         position_ids=None, attention_mask=None, decoder_input=None, inference_context=None,
@@ -277,15 +352,40 @@ def run(c: Combo, tp_group: Any, tp_rank: int, cp_group: Any, cp_rank: int) -> d
         context=context, compute_language_model_loss=model.compute_language_model_loss,
         scale_logits=lambda logits: logits, config=config,
     )
+    processor = _processor(c, d)
+    first: list = []
+
+    def call(h):
+        outs = _outputs(c, processor(hidden_states=h, **kwargs))
+        mtp = _mtp_loss(c, d, h, weight, layer, config, tp_group, tp_rank, pos)
+        if not first:  # the forward's own results (a checkpoint's recomputation runs it again)
+            first.append((outs, mtp))
+        return outs if mtp is None else (*outs, mtp)
+
+    w_out = d["w_out"] if c.processor == "nemo-rl" else d["w_out"][:, pos]
     try:
         try:
-            out = _processor(c, d)(**kwargs)
+            if c.checkpoint == "region":
+                flat = torch.utils.checkpoint.checkpoint(call, hidden, use_reentrant=False)
+            else:
+                flat = call(hidden)
         except (ValueError, TypeError, NotImplementedError) as e:
             untouched = hidden.grad is None and weight.grad is None and (
                 c.main_grad == "off" or not weight.main_grad.any())
             return {"refused": f"{type(e).__name__}: {e}", "untouched": untouched}
-        w_out = d["w_out"] if c.processor == "nemo-rl" else d["w_out"][:, pos]
-        _loss(c, out, w_out).backward()
+        outs, mtp = (flat[:-1], flat[-1]) if c.mtp else (flat, None)
+        if c.path == "plan":
+            # the plan's loss node: the loss of detached leaves, each output's .grad handed back
+            # (None where unused), then the post-process node's backward over the outputs
+            from mcore_hooks.schedule_plan import post_process_backward
+
+            leaves = [o.detach().requires_grad_(o.requires_grad) for o in flat]
+            lv = leaves[:-1] if c.mtp else leaves
+            _loss(c, tuple(lv), w_out, leaves[-1] if c.mtp else None).backward()
+            post_process_backward(tuple(flat), tuple(leaf.grad for leaf in leaves))
+        else:
+            _loss(c, outs, w_out, mtp).backward()
+        out = first[0][0]
     finally:
         if hook is not None:
             hook.remove()
@@ -302,7 +402,8 @@ def run(c: Combo, tp_group: Any, tp_rank: int, cp_group: Any, cp_rank: int) -> d
         parts = [torch.empty_like(dh) for _ in range(c.tp)]
         torch.distributed.all_gather(parts, dh.contiguous(), group=tp_group)
         dh = torch.cat(parts)
-    return {"values": _values(c, out), "dh": dh, "dw": dw, "pos": pos, "full": full}
+    values = [o.detach() for o in out] + ([first[0][1].detach()] if c.mtp else [])
+    return {"values": values, "dh": dh, "dw": dw, "pos": pos, "full": full}
 
 
 def check(c: Combo, got: dict, ref: dict) -> Optional[str]:
@@ -323,7 +424,12 @@ def check(c: Combo, got: dict, ref: dict) -> Optional[str]:
         return f"ran; expected a refusal matching {want!r}"
     pos = got["pos"]
     per_token = not (c.processor in ("ce-sum", "ce-mean", "nemo-rl") or c.processor.startswith("policy-"))
-    for i, (a, r) in enumerate(zip(got["values"], ref["values"])):
+    values, ref_values = got["values"], ref["values"]
+    if c.mtp:  # the depths' loss summed over this rank's tokens: whole only without CP
+        (mtp, *values), (mtp_ref, *ref_values) = values[-1:] + values[:-1], ref_values[-1:] + ref_values[:-1]
+        if c.cp == 1 and not torch.allclose(mtp, mtp_ref, rtol=1e-5, atol=1e-6):
+            return f"MTP loss differs: {float((mtp - mtp_ref).abs())}"
+    for i, (a, r) in enumerate(zip(values, ref_values)):
         if c.processor == "verl":
             r = r.view(-1, len(ref["pos"]))[:, pos].reshape(-1)
         elif per_token or (c.processor.startswith("policy-") and i > 0):
@@ -340,8 +446,10 @@ def check(c: Combo, got: dict, ref: dict) -> Optional[str]:
 
 
 def reference_of(c: Combo) -> Combo:
-    """The same processor and options on the unsplit batch (no TP, SP or CP)."""
-    return dataclasses.replace(c, tp=1, sp=False, cp=1, labels="given" if c.labels == "derived" and c.cp > 1 else c.labels)
+    """The same processor and options on the unsplit batch (no TP, SP or CP), through the plain
+    path (the loss's backward, no checkpointed region)."""
+    return dataclasses.replace(c, tp=1, sp=False, cp=1, path="forward", checkpoint="none",
+                               labels="given" if c.labels == "derived" and c.cp > 1 else c.labels)
 
 
 def run_all(combos: list[Combo]) -> list[tuple[Combo, Optional[str], Optional[str]]]:
@@ -356,7 +464,7 @@ def run_all(combos: list[Combo]) -> list[tuple[Combo, Optional[str], Optional[st
     results = []
     for c in combos:
         got = run(c, tp_group, tp_rank, cp_group, cp_rank)
-        ref = run(reference_of(c), None, 0, None, 0)
+        ref = {} if expected_refusal(c) else run(reference_of(c), None, 0, None, 0)
         if "refused" in ref:
             problem = f"the unsplit reference was refused: {ref['refused']}"
         else:
@@ -367,15 +475,18 @@ def run_all(combos: list[Combo]) -> list[tuple[Combo, Optional[str], Optional[st
 
 def table(rows: list[tuple[Combo, Optional[str], Optional[str]]]) -> str:
     """The README's matrix: one line per combination, exact or refused and why."""
-    lines = ["| processor | TP | SP | CP | layout | tied | temperature | labels | loss mask | main_grad | result |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| processor | TP | SP | CP | layout | tied | temperature | labels | loss mask | main_grad "
+             "| path | loss uses | checkpoint | MTP | deferred wgrad | result |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c, problem, refused in rows:
         result = ("**FAILS**: " + problem) if problem else (
-            f"refused: `{refused.split(':', 1)[1].strip()[:90]}...`" if refused else "exact")
+            f"refused: `{refused.split(':', 1)[1].strip()[:90]}...`"
+            if refused else "exact")
         lines.append(
             f"| {c.processor} | {c.tp} | {'on' if c.sp else 'off'} | {c.cp} | {'THD' if c.packed else 'BSHD'} | "
             f"{'yes' if c.tied else 'no'} | {c.temperature} | {c.labels} | {'yes' if c.loss_mask else 'no'} | "
-            f"{c.main_grad} | {result} |")
+            f"{c.main_grad} | {c.path} | {c.uses} | {c.checkpoint} | {c.mtp} | "
+            f"{'yes' if c.defer_wgrad else 'no'} | {result} |")
     return "\n".join(lines)
 
 

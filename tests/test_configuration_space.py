@@ -20,9 +20,11 @@ def _run(combos):
 
 
 def test_the_covering_set_covers_every_pair():
+    """Every pair of option values meets in a row that runs (is checked exact), or, where the
+    pair is refused whatever else is set, in a refused row."""
     import itertools
 
-    from configuration_space import valid
+    from configuration_space import _refused_pair, expected_refusal, valid
 
     rows = covering_set()
     names = list(OPTIONS)
@@ -30,7 +32,10 @@ def test_the_covering_set_covers_every_pair():
         for va in OPTIONS[a]:
             for vb in OPTIONS[b]:
                 if valid({a: va, b: vb}):
-                    assert any(getattr(r, a) == va and getattr(r, b) == vb for r in rows), (a, va, b, vb)
+                    wanted_refused = _refused_pair(a, va, b, vb)
+                    assert any(getattr(r, a) == va and getattr(r, b) == vb
+                               and (expected_refusal(r) is not None) == wanted_refused
+                               for r in rows), (a, va, b, vb)
     assert all(valid(vars(r)) for r in rows)
 
 
