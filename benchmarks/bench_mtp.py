@@ -92,8 +92,8 @@ def main() -> None:
     args = ap.parse_args()
     import triton.testing
 
-    from mcore_hooks import LogprobEntropyProcessor, compat
-    from mcore_hooks.mtp import mtp_loss_hook
+    from mcore_hooks import LogprobEntropyProcessor
+    from mcore_hooks.mtp import MTPCalls, mtp_loss_hook
 
     _setup()
     s, b, h, v, d = args.tokens, 1, args.hidden, args.vocab, args.depths
@@ -114,7 +114,7 @@ def main() -> None:
                       mtp_in_postprocess=False, loss_mask=loss_mask)
         if processor is None:
             return model._postprocess(**kwargs)
-        with compat.MTPCalls(model) as calls, mtp_loss_hook(model, getattr(processor, "mtp_loss", None), calls):
+        with MTPCalls(model) as calls, mtp_loss_hook(model, getattr(processor, "mtp_loss", None), calls):
             return model._postprocess(**kwargs, output_processor=processor)
 
     def objective(out: Any) -> torch.Tensor:

@@ -20,20 +20,39 @@ Public API (everything else is internal):
 
 ``mcore_hooks.testing`` holds tiny CPU models and a multi-rank launcher for tests; ``mcore-hooks
 verify`` (or ``python -m mcore_hooks verify``) checks the bundled processors against stock.
+
+Layers (a module imports only from layers below its own; ``tests/test_structure.py`` reads the
+imports and fails on a cycle or an import against these rules):
+
+1. ``kernels`` — the math on plain tensors and process groups, as ``torch.library`` ops: torch
+   and triton only (with its value-check switch), never Megatron Core nor the rest of the
+   package, so it can be read, used and tested alone.
+2. ``compat`` — what the installed Megatron Core has (feature detection, release-specific call
+   shapes), importing nothing of the package; ``main_grad`` — Megatron's gradient-accumulation
+   fusion hand-off (torch only). Version knowledge lives in ``compat`` and nowhere else.
+3. ``mtp`` — the MTP loss hook and which output-layer calls are MTP depths (kernels, compat,
+   main_grad); ``postprocess`` — the protocol: keywords, their check, the context, the base
+   class (compat, mtp); ``schedule_plan`` — the combined-1F1B plan's seam (compat, mtp,
+   postprocess).
+4. ``hooked`` — the hooked classes (backport and native mixins, the output-layer interception,
+   ``enable_output_processor``), the only module that assembles postprocess, mtp and
+   schedule_plan.
+5. ``processors`` (the bundled processors) and ``integrations`` (verl, NeMo RL), which adapt the
+   protocol to the kernels.
+6. ``verify``, ``cli``, ``testing`` — tools on top of the rest.
 """
 
 from typing import Any
 
 from .debug import debug_checks, set_debug_checks
+from . import hooked
+from .hooked import enable_output_processor, hooked_class, supports_output_processor
 from .postprocess import (
     OUTPUT_PROCESSOR_KEYWORDS,
     DefaultProcessor,
     PostprocessContext,
     PostprocessProcessor,
     check_output_processor,
-    enable_output_processor,
-    hooked_class,
-    supports_output_processor,
 )
 from .processors import (
     EntropyProcessor,
@@ -71,7 +90,5 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in ("HookedGPTModel", "HookedHybridModel", "HookedMambaModel"):
-        from . import postprocess
-
-        return getattr(postprocess, name)
+        return getattr(hooked, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,7 +20,7 @@ model's forward (or its schedule plan's post-process node) runs, two instance at
 for the class's, and are removed afterwards:
 
 * the output layer's ``forward``: for an MTP depth's call (told apart by
-  :class:`~mcore_hooks.compat.MTPCalls`) it returns, instead of logits, a :class:`DeferredLogits`
+  :class:`MTPCalls`) it returns, instead of logits, a :class:`DeferredLogits`
   holding that call's hidden states and weight; the main call is the stock forward. The layer's
   forward pre-hooks still run first (the distributed optimizer's all-gather wait);
 * the model's ``compute_language_model_loss``: given a :class:`DeferredLogits` and the rolled
@@ -38,7 +38,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 
-from . import compat
+from . import compat, main_grad
+from .kernels import VocabParallel, linear_logprob_entropy
 
 __all__ = ["MTPDepth", "MTPLoss", "MTPLossFn", "DeferredLogits", "fused_mtp_loss", "mtp_loss_of"]
 
@@ -115,8 +116,6 @@ def fused_mtp_loss(
     Returns:
         The per-token loss and acceptance.
     """
-    from .kernels import VocabParallel, linear_logprob_entropy
-
     hidden = depth.hidden_states
     s_local, b, h = hidden.shape
     s = s_local * depth.tp_size if depth.sequence_parallel else s_local
@@ -125,7 +124,7 @@ def fused_mtp_loss(
             f"labels: expected the MTP depth's labels of shape ({b}, {s}), got {tuple(depth.labels.shape)}"
         )
     # into main_grad as the main head's: DDP skips .grad once the weight is marked
-    weight, extra = compat.main_grad_route(depth.weight, depth.config)
+    weight, extra = main_grad.main_grad_route(depth.weight, depth.config)
     r = linear_logprob_entropy(
         hidden.reshape(-1, h), weight, depth.labels.t().reshape(-1),
         logit_scale=depth.logit_scale, ignore_index=ignore_index,
@@ -283,7 +282,7 @@ def labels_given() -> Optional[bool]:
 
 
 @contextlib.contextmanager
-def mtp_loss_hook(model: Any, mtp_loss: Optional[MTPLossFn], calls: "compat.MTPCalls",
+def mtp_loss_hook(model: Any, mtp_loss: Optional[MTPLossFn], calls: "MTPCalls",
                   labels: Any = _ABSENT) -> Iterator[None]:
     """Within the block, the model's MTP depths compute their loss with ``mtp_loss`` (see the
     module docstring); a no-op when ``mtp_loss`` is None. Restored on exit. ``labels``: the
@@ -330,3 +329,80 @@ def mtp_loss_hook(model: Any, mtp_loss: Optional[MTPLossFn], calls: "compat.MTPC
                 setattr(obj, name, original)
 
 
+class MTPCalls:
+    """Which of one forward's output-layer calls compute a multi-token-prediction depth's logits.
+
+    With MTP on, the stock post-process calls the output layer once per MTP depth before the
+    main call. How to tell them apart depends on the release, found by feature detection:
+
+    * 0.14+: the MTP block returns the main and the depths' hidden states concatenated along the
+      sequence, and the post-process takes them apart with ``torch.chunk``: a depth call's input is
+      chunk ``d >= 1`` of that concatenation (a view of it), the main call's is chunk 0 (or no
+      view, when the MTP step did not run);
+    * 0.13: ``MultiTokenPredictionBlock.forward`` calls the output layer itself, once per depth: a
+      call made while the block runs is the next depth's (told by forward hooks on the block,
+      registered for the scope of this object's ``with``).
+
+    Use it as a context manager around the forward (or post-process) it classifies.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.num_depths = int(getattr(model.config, "mtp_num_layers", None) or 0)
+        block = getattr(model, "mtp", None) if self.num_depths else None
+        self._block = block if block is not None and compat.forward_accepts(type(block), "output_layer") else None
+        self._inside = False
+        self._depth = 0
+        self._last: Optional[tuple[torch.Tensor, int]] = None  # a call may be asked about twice
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "MTPCalls":
+        if self._block is not None:
+            def enter(*_: Any) -> None:
+                self._inside, self._depth = True, 0
+
+            def leave(*_: Any) -> None:
+                self._inside = False
+
+            self._handles = [
+                self._block.register_forward_pre_hook(enter),
+                self._block.register_forward_hook(leave),
+            ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def depth(self, hidden_states: torch.Tensor) -> int:
+        """The MTP depth (1-based) an output-layer call with this input computes; 0 for the main
+        call."""
+        if not self.num_depths:
+            return 0
+        if self._block is not None:
+            if not self._inside:
+                return 0
+            if self._last is None or self._last[0] is not hidden_states:
+                self._depth += 1
+                self._last = (hidden_states, self._depth)
+            return self._last[1]
+        base = hidden_states._base
+        s = hidden_states.shape[0]
+        if (
+            base is None
+            or base.dim() != hidden_states.dim()
+            or base.shape[1:] != hidden_states.shape[1:]
+            or base.shape[0] != (1 + self.num_depths) * s
+            or not hidden_states.is_contiguous()
+        ):
+            return 0
+        offset = hidden_states.storage_offset() - base.storage_offset()
+        return offset // hidden_states[:1].numel() // s
+
+
+def native_mtp_loss(model: Any, output_processor: Any) -> Any:
+    """The processor's MTP loss where the native class needs the stand-ins for it (MTP on, and a
+    ``process_mtp_loss`` that takes no per-depth callable); None otherwise."""
+    if output_processor is None or not compat.mtp_enabled(model) or compat.native_mtp_loss_fn():
+        return None
+    return mtp_loss_of(output_processor)

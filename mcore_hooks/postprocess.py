@@ -1,11 +1,11 @@
-"""The ``output_processor`` protocol: context, processor base class, and enabling the hook.
+"""The ``output_processor`` protocol: the keywords, the check, the context and the processor base class.
 
 The call convention is Megatron Core's own (>= 0.18, ``GPTModel.forward(..., output_processor=,
 output_processor_context=)``): after the decoder (and the MTP step) the last pipeline stage calls
 ``output_processor(**OUTPUT_PROCESSOR_KEYWORDS)`` instead of its output layer and returns what the
 processor returns. :func:`enable_output_processor` makes the same call happen on every supported
-release and class; code written against this module runs unchanged on stock Megatron Core >= 0.18
-GPTModel.
+release and class (:mod:`mcore_hooks.hooked`); code written against this module runs unchanged on
+stock Megatron Core >= 0.18 GPTModel.
 
 Contract (documented and tested): the processor never runs on non-last pipeline stages (they return
 hidden states); ``hidden_states`` are ``[s, b, h]``, ``[s/tp, b, h]`` when sequence parallel is on,
@@ -16,23 +16,95 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, Mapping, Optional, TypeVar, Union
+import inspect
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
 from . import compat
-from .compat import OUTPUT_PROCESSOR_KEYWORDS, check_output_processor
+from .mtp import keyword_mtp_loss_fn, mtp_loss_of
 
 __all__ = [
     "OUTPUT_PROCESSOR_KEYWORDS",
     "PostprocessContext",
     "PostprocessProcessor",
     "DefaultProcessor",
-    "enable_output_processor",
-    "supports_output_processor",
-    "hooked_class",
     "check_output_processor",
 ]
+
+# Upstream's keyword set (Megatron Core >= 0.18, ``GPTModel._postprocess``), in upstream's order.
+OUTPUT_PROCESSOR_KEYWORDS: tuple[str, ...] = (
+    "hidden_states",
+    "output_layer",
+    "output_weight",
+    "labels",
+    "loss_mask",
+    "input_ids",
+    "position_ids",
+    "attention_mask",
+    "decoder_input",
+    "inference_context",
+    "packed_seq_params",
+    "runtime_gather_output",
+    "context",
+    "compute_language_model_loss",
+    "scale_logits",
+    "config",
+)
+
+
+def check_output_processor(processor: Any) -> None:
+    """Check that ``processor`` can be called with upstream's keywords.
+
+    A processor must accept all 16 keywords by name (or ``**kwargs``, which also keeps it forward
+    compatible with keywords a later Megatron Core may add) and require no other argument.
+
+    Args:
+        processor: the would-be ``output_processor``.
+
+    Raises:
+        TypeError: naming ``output_processor``: a class instead of an instance, not callable, a
+            keyword it cannot take, or an argument the hook never passes.
+    """
+    if isinstance(processor, type):
+        raise TypeError(
+            f"output_processor: got the class {processor.__name__}, expected an instance of it: "
+            f"pass output_processor={processor.__name__}(...)"
+        )
+    if not callable(processor):
+        raise TypeError(
+            f"output_processor: expected a callable taking Megatron Core's output_processor "
+            f"keywords, got {type(processor).__name__}"
+        )
+    target = processor
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):  # builtins without a signature: nothing to check
+        return
+    params = sig.parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        missing: list[str] = []
+    else:
+        named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        missing = [k for k in OUTPUT_PROCESSOR_KEYWORDS if k not in named]
+    required = [
+        p.name
+        for p in params
+        if p.default is p.empty
+        and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        and p.name not in OUTPUT_PROCESSOR_KEYWORDS
+    ]
+    if missing or required:
+        why = []
+        if missing:
+            why.append(f"does not accept the keyword(s) {', '.join(missing)}")
+        if required:
+            why.append(f"requires argument(s) the hook never passes: {', '.join(required)}")
+        raise TypeError(
+            f"output_processor {processor!r} {'; '.join(why)}. A processor is called with the "
+            f"keywords {', '.join(OUTPUT_PROCESSOR_KEYWORDS)}; take `**kwargs` to accept them all."
+        )
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,8 +281,6 @@ class PostprocessProcessor(abc.ABC):
         """This processor's ``mtp_loss`` in the keyword form a Megatron Core whose
         ``process_mtp_loss`` takes ``mtp_loss_fn`` calls (``upstream/`` patch 0002); None
         without an ``mtp_loss`` (stock MTP)."""
-        from .mtp import keyword_mtp_loss_fn, mtp_loss_of
-
         mtp_loss = mtp_loss_of(self)
         return None if mtp_loss is None else keyword_mtp_loss_fn(mtp_loss)
 
@@ -232,102 +302,3 @@ class DefaultProcessor(PostprocessProcessor):
 
     def process(self, ctx: PostprocessContext) -> torch.Tensor:
         return ctx.default()
-
-
-# --------------------------------------------------------------------------- enabling the hook
-
-ModelT = TypeVar("ModelT", bound=Union[torch.nn.Module, list, tuple])
-
-
-def hooked_class(cls: type) -> type:
-    """The class to build for a model whose ``forward`` takes ``output_processor``.
-
-    Args:
-        cls: GPTModel, HybridModel or MambaModel, or a subclass of one.
-
-    Returns:
-        A subclass with the same constructor and state dict: where ``cls`` already has
-        upstream's hook (GPTModel on Megatron Core >= 0.18), one that passes the native calls
-        through, adding only the MTP loss hook and a plan post-process backward that tolerates
-        tuple outputs the loss did not use; otherwise one adding the hook (in ``forward`` and
-        ``build_schedule_plan``).
-
-    Raises:
-        TypeError: ``cls`` is not a supported language-model class.
-    """
-    if not compat.is_language_model_class(cls):
-        names = ", ".join(compat.language_model_classes())
-        raise TypeError(f"cls: expected a subclass of {names}, got {cls!r}")
-    if issubclass(cls, (compat.BackportHookMixin, compat.NativeHookMixin)):
-        return cls
-    if compat.has_native_hook(cls):
-        return compat.native_class(cls)
-    return compat.backport_class(cls)
-
-
-def supports_output_processor(model: torch.nn.Module) -> bool:
-    """Whether ``model.forward(..., output_processor=...)`` works as upstream's hook (by detection).
-
-    Args:
-        model: a language model, possibly inside DDP / Float16Module wrappers.
-
-    Returns:
-        True where ``forward`` takes the keywords (natively or after
-        :func:`enable_output_processor`); False otherwise, and for anything that is not a
-        supported Megatron Core language model.
-    """
-    try:
-        inner = compat.unwrap_model(model)
-    except TypeError:
-        return False
-    return compat.forward_accepts(type(inner), "output_processor")
-
-
-def enable_output_processor(model: ModelT) -> ModelT:
-    """Make ``model.forward(..., output_processor=...)`` work on the installed Megatron Core.
-
-    ``model`` is a GPTModel, HybridModel or MambaModel (or subclass), possibly inside DDP /
-    Float16Module wrappers, or a list of such model chunks (virtual pipeline). Only this
-    instance's class is switched, to :func:`hooked_class` (never a global patch). Where the class
-    already has the hook its calls pass through unchanged, with the MTP loss hook
-    (:mod:`mcore_hooks.mtp`) when multi-token prediction is on, and a schedule-plan post-process
-    backward that takes only the outputs the loss used. Idempotent.
-
-    Args:
-        model: the model, a wrapper around it, or a list of model chunks.
-
-    Returns:
-        ``model`` itself.
-
-    Raises:
-        TypeError: no supported language model is found in ``model``.
-    """
-    if isinstance(model, (list, tuple)):
-        for chunk in model:
-            enable_output_processor(chunk)
-        return model
-    inner = compat.unwrap_model(model)
-    target = hooked_class(type(inner))
-    if target is not type(inner):
-        inner.__class__ = target
-    return model
-
-
-def __getattr__(name: str) -> type:
-    # HookedGPTModel / HookedHybridModel / HookedMambaModel, made on first use for the installed
-    # release; absent classes get an error that says which release has them.
-    if name.startswith("Hooked") and name.endswith("Model"):
-        base = name[len("Hooked") :]
-        classes = compat.language_model_classes()
-        if base in classes:
-            cls = hooked_class(classes[base])
-            globals()[name] = cls
-            return cls
-        if base in ("GPTModel", "HybridModel", "MambaModel"):
-            import megatron.core
-
-            raise AttributeError(
-                f"{name}: the installed Megatron Core {megatron.core.__version__} has no {base}"
-                + (" (HybridModel arrived in 0.18)" if base == "HybridModel" else "")
-            )
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

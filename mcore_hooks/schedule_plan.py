@@ -7,7 +7,7 @@ From 0.18 that method takes the same ``output_processor=`` / ``output_processor_
 keywords as ``forward`` and the node calls the processor in place of the output layer.
 
 On 0.14-0.17, :func:`~mcore_hooks.enable_output_processor` gives the instance the same keywords
-(:class:`~mcore_hooks.compat.BackportHookMixin`), and :func:`attach_processor` threads the
+(:class:`~mcore_hooks.hooked.BackportHookMixin`), and :func:`attach_processor` threads the
 processor into the one plan it returns. Upstream facts the seam respects:
 
 * the node captures ``weak_method(self.forward_impl)`` when it is built, so rebinding the node's
@@ -35,6 +35,8 @@ from typing import Any, Callable
 import torch
 
 from . import compat
+from .mtp import MTPCalls, mtp_loss_hook, mtp_loss_of, native_mtp_loss
+from .postprocess import check_output_processor
 
 __all__ = ["attach_processor", "attach_native", "check_plan_result", "post_process_backward"]
 
@@ -83,12 +85,15 @@ def post_process_backward(outputs: tuple, output_grad: tuple) -> tuple:
 
 
 def attach_processor(
-    model: Any, plan: Any, output_processor: Callable[..., Any], context: Any
+    model: Any, plan: Any, output_processor: Callable[..., Any], context: Any,
+    call_at_output_layer: Callable[..., tuple[bool, Any]],
 ) -> Any:
     """Make ``plan`` (just built by ``model.build_schedule_plan``) call ``output_processor`` in its
     post-process node instead of the output layer, with the keywords ``forward`` would pass.
-    Returns ``plan``. Backport only: on 0.18+ ``build_schedule_plan`` does this itself."""
-    compat.check_output_processor(output_processor)
+    ``call_at_output_layer`` is the backport's interception of the stock output-layer call
+    (:func:`mcore_hooks.hooked.call_processor_at_output_layer`), passed in by the class that
+    owns it. Returns ``plan``. Backport only: on 0.18+ ``build_schedule_plan`` does this itself."""
+    check_output_processor(output_processor)
     state = plan.state
     # As upstream's plan holds them (0.18+), for code that reads them there.
     state.output_processor, state.output_processor_context = output_processor, context
@@ -117,11 +122,9 @@ def attach_processor(
     # Captures the stock callable, the plan's state and the model (which the node holds too),
     # never the node itself: weak_method is there to keep the node free of reference cycles.
     def forward_func(hidden_states: torch.Tensor) -> Any:
-        from .mtp import mtp_loss_hook, mtp_loss_of
-
-        with compat.MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss_of(output_processor), calls,
-                                                            state.labels):
-            called, result = compat.call_processor_at_output_layer(
+        with MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss_of(output_processor), calls,
+                                                     state.labels):
+            called, result = call_at_output_layer(
                 model, lambda: stock_forward_func(hidden_states), output_processor, keywords, calls
             )
         if not called:
@@ -144,19 +147,17 @@ def attach_native(model: Any, plan: Any, output_processor: Any) -> Any:
     outputs the loss used (:func:`post_process_backward`), and runs with the processor's MTP loss
     where the release needs the stand-ins for it (:mod:`mcore_hooks.mtp`); the processor itself
     is upstream's to call. Returns ``plan``."""
-    from .mtp import mtp_loss_hook
-
     node = plan.post_process
     if node is None or output_processor is None:
         return plan
     node.backward_func = post_process_backward
-    mtp_loss = compat.native_mtp_loss(model, output_processor)
+    mtp_loss = native_mtp_loss(model, output_processor)
     if mtp_loss is None:
         return plan
     stock_forward_func, state = node.forward_func, plan.state
 
     def forward_func(hidden_states: torch.Tensor) -> Any:  # captures no node (see above)
-        with compat.MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss, calls, state.labels):
+        with MTPCalls(model) as calls, mtp_loss_hook(model, mtp_loss, calls, state.labels):
             return stock_forward_func(hidden_states)
 
     node.forward_func = forward_func

@@ -29,7 +29,8 @@ import torch
 
 from . import compat
 from .kernels import PolicyLoss
-from .postprocess import DefaultProcessor, PostprocessContext, hooked_class
+from .hooked import hooked_class
+from .postprocess import DefaultProcessor, PostprocessContext
 from .processors import (
     EntropyProcessor,
     FusedLogprobProcessor,

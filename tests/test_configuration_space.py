@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import random
 
-import pytest
-
 from configuration_space import OPTIONS, covering_set, merged, random_combos, readme_table, run_all, table
 from mcore_hooks.testing import run_on_ranks
 

@@ -289,7 +289,7 @@ def _param_gather_worker(rank: int, world: int, port: int, backport: bool, mode:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.transformer import TransformerConfig
 
-        from mcore_hooks import compat, enable_output_processor
+        from mcore_hooks import compat, enable_output_processor, hooked
         from mcore_hooks.processors import FusedLogprobProcessor
 
         if mode == "ddp-skip":  # what the processors did before: read the weight, run no hooks
@@ -305,7 +305,7 @@ def _param_gather_worker(rank: int, world: int, port: int, backport: bool, mode:
             num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0,
             attention_dropout=0.0, params_dtype=torch.float32,
         )
-        cls = compat.backport_class(GPTModel) if backport else GPTModel
+        cls = hooked.backport_class(GPTModel) if backport else GPTModel
         model = cls(
             config, get_gpt_layer_local_spec(), vocab_size=256, max_sequence_length=64,
             position_embedding_type="learned_absolute", share_embeddings_and_output_weights=False,

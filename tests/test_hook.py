@@ -13,11 +13,12 @@ from mcore_hooks import (
     DefaultProcessor,
     PostprocessContext,
     PostprocessProcessor,
+    check_output_processor,
     enable_output_processor,
     hooked_class,
     supports_output_processor,
 )
-from mcore_hooks import compat
+from mcore_hooks import compat, hooked
 from mcore_hooks.testing import (
     TinyModelConfig,
     available_model_classes,
@@ -148,7 +149,7 @@ def test_backport_and_native_deliver_the_same_keywords():
         for tied in (True, False):
             cfg = TinyModelConfig(model_class=model_class, tied=tied)
             stock = build_tiny_model(cfg)
-            backport = build_tiny_model(cfg, model_cls=compat.backport_class(stock_model_class(model_class)))
+            backport = build_tiny_model(cfg, model_cls=hooked.backport_class(stock_model_class(model_class)))
             for packed in _layouts(model_class):
                 batch = tiny_batch(cfg, packed=packed)
                 a, b = Recorder(), Recorder()
@@ -250,7 +251,7 @@ def test_enable_is_per_instance_idempotent_and_detected(model_class):
     assert supports_output_processor(model)
     assert type(model) is hooked_class(cls) and isinstance(model, cls) and type(model) is not cls
     # native: the calls pass through (upstream's own forward and plan), nothing replaced
-    assert issubclass(type(model), compat.NativeHookMixin) is native
+    assert issubclass(type(model), hooked.NativeHookMixin) is native
     enable_output_processor(model)
     assert type(model) is hooked_class(cls)
     assert type(bystander) is cls  # no global patching
@@ -310,9 +311,9 @@ def test_clear_errors():
     with pytest.raises(TypeError, match="does not accept the keyword.*output_layer"):
         model(**batch, output_processor=narrow)
     with pytest.raises(TypeError, match="output_layer"):
-        compat.check_output_processor(narrow)
+        check_output_processor(narrow)
     with pytest.raises(TypeError, match="requires argument.*temperature"):
-        compat.check_output_processor(lambda temperature, **kw: None)
+        check_output_processor(lambda temperature, **kw: None)
     with pytest.raises(TypeError, match="missing keyword.*output_layer"):
         DefaultProcessor()(hidden_states=torch.zeros(1))
     with pytest.raises(TypeError):

@@ -317,7 +317,6 @@ def test_one_placeholder_per_backward_for_the_head_and_every_mtp_depth():
 
     from mcore_hooks.mtp import MTPDepth, fused_mtp_loss
 
-    g = torch.Generator().manual_seed(4)
     s, b, h, v = 5, 2, 8, 30
     torch.manual_seed(0)
     layer = torch.nn.Linear(h, v, bias=False)
@@ -354,12 +353,12 @@ def test_the_hand_off_adds_a_gradient_from_anything_else_into_main_grad():
     hands the hand-off a real gradient: it goes into main_grad too, never dropped."""
     import types
 
-    from mcore_hooks import compat
+    from mcore_hooks import main_grad
 
     layer = torch.nn.Linear(4, 6, bias=False)
     handle = ddp_like(layer.weight, zero_out_wgrad=False)
     config = types.SimpleNamespace(gradient_accumulation_fusion=True)
-    routed, _ = compat.main_grad_route(layer.weight, config)
+    routed, _ = main_grad.main_grad_route(layer.weight, config)
     (routed ** 2).sum().backward()
     handle.remove()
     torch.testing.assert_close(layer.weight.main_grad, 2 * layer.weight.detach())

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from mcore_hooks import PostprocessContext, compat, enable_output_processor, hooked_class
+from mcore_hooks import PostprocessContext, compat, enable_output_processor, hooked, hooked_class
 from mcore_hooks.processors import (
     EntropyProcessor,
     FusedLogprobProcessor,
@@ -440,7 +440,7 @@ def test_pre_hooks_run_as_calling_the_output_layer_would():
 def test_pre_hooks_are_not_run_twice_on_the_backport():
     """On the backport the processor runs inside the output layer's pre-hooks: they ran once."""
     cfg = TinyModelConfig(tied=False)
-    model = build_tiny_model(cfg, model_cls=compat.backport_class(stock_model_class("gpt")))
+    model = build_tiny_model(cfg, model_cls=hooked.backport_class(stock_model_class("gpt")))
     count = []
     model.output_layer.register_forward_pre_hook(lambda m, a, kw: count.append(1), with_kwargs=True)
     model(**tiny_batch(cfg), output_processor=FusedLogprobProcessor())

@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 
-from ..debug import check_values
+from .debug import check_values
 from . import ops
 from .autograd import Backend, TokenLoss, group_rank_size
 from .losses import PerTokenLoss, PolicyLoss, PolicyLossResult, WeightedNLL, aggregation_weights, per_token_loss

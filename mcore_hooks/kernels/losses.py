@@ -18,7 +18,7 @@ from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from ..debug import check_values
+from .debug import check_values
 from .autograd import all_reduce
 
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean")

@@ -23,7 +23,7 @@ from typing import Any, Literal, NamedTuple, Optional, Union
 
 import torch
 
-from .. import compat
+from .. import compat, main_grad
 from ..debug import check_values
 from ..kernels import (
     BACKENDS,
@@ -172,8 +172,8 @@ class _FusedProcessor(PostprocessProcessor):
             chunk_size=self.chunk_size,
             backend=self.backend,
         )
-        weight, main_grad = compat.main_grad_route(weight, ctx.config)  # gradient_accumulation_fusion
-        kwargs.update(main_grad)
+        weight, into_main_grad = main_grad.main_grad_route(weight, ctx.config)  # gradient_accumulation_fusion
+        kwargs.update(into_main_grad)
         return _KernelInputs(hidden.reshape(-1, h), weight, flat_labels, kwargs, (b, s), labels)
 
     def compute(

@@ -1,0 +1,124 @@
+"""The package's import structure, read from its source (nothing is imported): the layers of
+``mcore_hooks/__init__.py``'s docstring hold.
+
+* no cycle among the package's modules, counting imports inside functions too (so none can hide
+  one);
+* ``mcore_hooks.kernels`` imports torch, triton and the standard library only: never Megatron
+  Core, never the rest of the package;
+* ``mcore_hooks.compat`` imports no module of this package;
+* only ``mcore_hooks.hooked`` imports ``postprocess``, ``mtp`` and ``schedule_plan`` together.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import pathlib
+import sys
+
+PACKAGE = "mcore_hooks"
+# the package Python would import (the source tree, or an installed wheel), found without importing it
+ROOT = pathlib.Path(importlib.util.find_spec(PACKAGE).origin).parent
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _imports(name: str) -> set[str]:
+    """Every module ``name`` imports (absolute names), at any depth of its code."""
+    tree = ast.parse(MODULES[name].read_text())
+    here = name if _is_package(name) else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            submodules = {f"{module}.{a.name}" for a in node.names} & MODULES.keys()
+            out |= submodules  # `from . import compat` imports the submodule
+            if len(submodules) < len(node.names):  # and names of the module itself
+                out.add(module)
+    return out
+
+
+def _internal(name: str) -> set[str]:
+    return {m for m in _imports(name) if m in MODULES and m != name}
+
+
+def _external(name: str) -> set[str]:
+    return {m.split(".")[0] for m in _imports(name) if not m.startswith(PACKAGE)}
+
+
+def test_no_import_cycle():
+    graph = {m: _internal(m) for m in MODULES}
+    # Tarjan's strongly connected components: any of size > 1 is a cycle
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_kernels_import_torch_and_triton_only():
+    allowed = set(sys.stdlib_module_names) | {"torch", "triton", "__future__"}
+    for name in MODULES:
+        if name == f"{PACKAGE}.kernels" or name.startswith(f"{PACKAGE}.kernels."):
+            outside = {m for m in _internal(name) if not m.startswith(f"{PACKAGE}.kernels")}
+            assert not outside, f"{name} imports {outside} (kernels may import only kernels)"
+            assert _external(name) <= allowed, f"{name} imports {_external(name) - allowed}"
+
+
+def test_compat_is_a_leaf():
+    assert not _internal(f"{PACKAGE}.compat"), _internal(f"{PACKAGE}.compat")
+
+
+def test_only_hooked_assembles_the_protocol_mtp_and_the_plan():
+    trio = {f"{PACKAGE}.postprocess", f"{PACKAGE}.mtp", f"{PACKAGE}.schedule_plan"}
+    assembling = [m for m in MODULES if trio <= _internal(m)]
+    assert assembling == [f"{PACKAGE}.hooked"], assembling
+
+
+def test_the_reader_sees_real_modules():
+    """The parse above reads the modules it should (a guard against a test that checks nothing)."""
+    assert {f"{PACKAGE}.compat", f"{PACKAGE}.hooked", f"{PACKAGE}.kernels.ops"} <= set(MODULES)
+    assert f"{PACKAGE}.compat" in _internal(f"{PACKAGE}.mtp")
+    assert "torch" in _external(f"{PACKAGE}.kernels.autograd")
