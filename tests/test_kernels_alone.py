@@ -7,6 +7,7 @@ O(1), so 1e-5 relative to the O(1) results bounds their rounding (vocab 50) with
 from __future__ import annotations
 
 import os
+import queue as queue_module
 import socket
 import subprocess
 import sys
@@ -95,8 +96,8 @@ def _rank(rank: int, world: int, port: int, queue) -> None:
                                   backend="torch")
         pl = linear_policy_loss(x, shard, y, token_weight=tw, loss=PolicyLoss(), inputs=inputs,
                                 parallel=VocabParallel(dist.group.WORLD, rank * v), backend="torch")
-        # by value (numpy): a tensor would travel as a shared-memory handle this process closes
-        queue.put((rank, *(t.numpy() for t in (lp, ent, dx, dw)), float(ce), float(pl.loss)))
+        # by value (lists): a tensor would travel as a shared-memory handle this process closes
+        queue.put((rank, *(t.tolist() for t in (lp, ent, dx, dw)), float(ce), float(pl.loss)))
     finally:
         dist.destroy_process_group()
 
@@ -112,7 +113,14 @@ def test_the_vocabulary_split_over_plain_torch_distributed_ranks():
     procs = [ctx.Process(target=_rank, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    results = sorted((queue.get(timeout=240) for _ in procs), key=lambda r: r[0])
+    results = []
+    while len(results) < world:  # a rank that dies says so at once, not after a timeout
+        try:
+            results.append(queue.get(timeout=5))
+        except queue_module.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"a rank exited with {dead}"
+    results.sort(key=lambda r: r[0])
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
@@ -123,7 +131,7 @@ def test_the_vocabulary_split_over_plain_torch_distributed_ranks():
     pl = float(linear_policy_loss(x, w, y, token_weight=tw, inputs=_policy_inputs(), backend="torch").loss)
     v = V // world
     for rank, *arrays, r_ce, r_pl in results:
-        r_lp, r_ent, r_dx, r_dw = (torch.from_numpy(a) for a in arrays)
+        r_lp, r_ent, r_dx, r_dw = (torch.tensor(a) for a in arrays)
         torch.testing.assert_close(r_lp, lp, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r_ent, ent, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r_dx, dx, rtol=1e-5, atol=1e-5)
