@@ -463,7 +463,7 @@ def _select_backend(name: str, hidden: torch.Tensor) -> str:
 
 def _tiles_name(device: torch.device) -> str:
     """The name of the Triton tiles that run on ``device`` ("" where Triton cannot run)."""
-    from . import triton_fused
+    from . import triton_fused  # lazily, here and below: it imports Triton, slow and optional
 
     tiles = triton_fused.device_tiles(device)
     return "" if tiles is None else tiles.name

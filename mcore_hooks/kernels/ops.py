@@ -47,7 +47,7 @@ def _group(name: Optional[str]):
 def _backend(name: str, device: torch.device) -> ag.Backend:
     if name == "torch":
         return TorchChunked()
-    from . import triton_fused
+    from . import triton_fused  # lazily: it imports Triton, slow and optional
 
     return triton_fused.TritonFused(triton_fused.device_tiles(device))
 
