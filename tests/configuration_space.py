@@ -8,7 +8,7 @@ into ``main_grad`` (with and without a declared ``upstream_grad``), the path the
 (``forward``: the loss's backward; ``plan``: the combined-1F1B plan's post-process node, its loss
 node handing back each output's gradient, the processors returning tuples), which outputs the
 loss uses (all, or the first: an entropy only logged), a non-reentrant activation-checkpointed
-region around the call, two MTP depths' fused loss on the same weight, and the deferred
+region around the call, one or two MTP depths' fused loss on the same weight, and the deferred
 embedding weight gradient of pipeline parallelism (``defer_embedding_wgrad_compute``), on 4
 gloo CPU ranks in float32, and compares values and gradients with the same processor on the
 unsplit batch (itself checked against stock Megatron by the rest of the suite). A combination either matches or is refused
@@ -46,7 +46,7 @@ OPTIONS: dict[str, tuple] = {
     "path": ("forward", "plan"),
     "uses": ("all", "first"),
     "checkpoint": ("none", "region"),
-    "mtp": (0, 2),
+    "mtp": (0, 1, 2),
     "defer_wgrad": (False, True),
 }
 DECLARABLE = ("ce-sum", "ce-mean", "policy-token-mean", "policy-seq-mean-token-mean")
@@ -292,7 +292,7 @@ def _loss(c: Combo, outs: tuple, w_out: torch.Tensor, mtp: Optional[torch.Tensor
 
 
 def _mtp_loss(c: Combo, d: dict, hidden, weight, layer, config, tp_group, tp_rank, pos) -> Optional[torch.Tensor]:
-    """Two MTP depths' fused loss on the same output weight (each depth's hidden states a
+    """The MTP depths' fused loss on the same output weight (each depth's hidden states a
     multiple of the main head's, its labels the main labels rolled), summed."""
     if not c.mtp:
         return None
