@@ -2,7 +2,7 @@
 another copy of the package (``--other``: a directory holding an ``mcore_hooks`` from before the
 ops), in one process each, on one GPU:
 
-    python benchmarks/bench_ops_overhead.py [--other DIR] [--tokens 8192]
+    python benchmarks/bench_ops_overhead.py [--other DIR]
 
 Prints median ms (Triton's ``do_bench``) of the log-prob pass and the fused policy loss, forward
 and forward + backward, bf16, hidden 4096, vocab 151936, and of a small call (512 tokens, vocab
@@ -66,6 +66,9 @@ def main() -> int:
             continue
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([path, os.environ.get("PYTHONPATH", "")]))
         res = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True)
+        if res.returncode != 0:
+            print(res.stdout + res.stderr, file=sys.stderr)
+            return 1
         runs[label] = json.loads(res.stdout.strip().splitlines()[-1])
     print(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
     print("| case | " + " | ".join(f"{k} ms" for k in runs) + " |\n|---|" + "---|" * len(runs))

@@ -21,15 +21,18 @@ Public API (everything else is internal):
 ``mcore_hooks.testing`` holds tiny CPU models and a multi-rank launcher for tests; ``mcore-hooks
 verify`` (or ``python -m mcore_hooks verify``) checks the bundled processors against stock.
 
-Layers (a module imports only from layers below its own; ``tests/test_structure.py`` reads the
-imports and fails on a cycle or an import against these rules):
+Layers (a module imports only from the modules listed before it; ``tests/test_structure.py``
+reads every import and fails on a cycle, on ``kernels`` importing anything but torch, triton and
+itself, on ``compat`` importing the package, and on a module other than ``hooked`` importing
+postprocess, mtp and schedule_plan together):
 
 1. ``kernels`` — the math on plain tensors and process groups, as ``torch.library`` ops: torch
    and triton only (with its value-check switch), never Megatron Core nor the rest of the
    package, so it can be read, used and tested alone.
 2. ``compat`` — what the installed Megatron Core has (feature detection, release-specific call
    shapes), importing nothing of the package; ``main_grad`` — Megatron's gradient-accumulation
-   fusion hand-off (torch only). Version knowledge lives in ``compat`` and nowhere else.
+   fusion hand-off (torch only). Release differences are found by feature detection, through
+   ``compat``'s questions.
 3. ``mtp`` — the MTP loss hook and which output-layer calls are MTP depths (kernels, compat,
    main_grad); ``postprocess`` — the protocol: keywords, their check, the context, the base
    class (compat, mtp); ``schedule_plan`` — the combined-1F1B plan's seam (compat, mtp,

@@ -8,7 +8,7 @@ through the kernels' ``weight_grad_accumulator`` and :func:`main_grad_route`.
 
 from __future__ import annotations
 
-import weakref
+import threading
 from typing import Any, Optional
 
 import torch
@@ -57,6 +57,11 @@ class _MainGradHandoff(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.ran = True
         weight = ctx.weight
+        if not torch.compiler.is_compiling():  # compiled calls never enter the table
+            with _LOCK:
+                pending = _PENDING.get(id(weight))
+                if pending is not None and pending.grad_fn is ctx:
+                    del _PENDING[id(weight)]
         if grad is not None:  # from an op other than the kernels that used the routed weight
             ctx.main_grad.add_(grad)
         if not hasattr(weight, "grad_added_to_main_grad"):
@@ -66,26 +71,29 @@ class _MainGradHandoff(torch.autograd.Function):
         return make(weight.shape, dtype=weight.dtype, device=weight.device), None
 
 
-# id(weight) -> (the weight, its routed view), both weakly: the view lives as long as the graph
-# that uses it, so a dead entry means its graph is gone
-_ROUTES: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+# id(weight) -> the weight's routed view whose hand-off has not run yet. Held strongly: a kernel
+# that saves no weight (the fused losses) or a checkpointed region (whose saved tensors are
+# packed) leaves nothing else holding it, and a dropped view would mean one more placeholder.
+# The hand-off's backward removes its entry; one left by a graph freed without a backward is
+# reused by the weight's next call (whose backward then runs it).
+_PENDING: dict[int, torch.Tensor] = {}
+_LOCK = threading.Lock()
 
 
 def _routed(weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
     """``weight`` through the hand-off: the pending node of an earlier call when its backward has
-    not run yet (one placeholder per backward), else a new one."""
-    if torch.compiler.is_compiling():  # Dynamo traces no weak references: one node per call
+    not run yet (one placeholder per backward), else a new one. Under ``torch.compile`` one node
+    per call (the compiled graph cannot consult this table)."""
+    if torch.compiler.is_compiling():
         return _MainGradHandoff.apply(weight, main_grad)
-    entry = _ROUTES.get(id(weight))
-    if entry is not None:
-        same, routed = entry[0]() is weight, entry[1]()
-        if same and routed is not None and not routed.grad_fn.ran and routed.grad_fn.main_grad is main_grad:
+    with _LOCK:
+        routed = _PENDING.get(id(weight))
+        if (routed is not None and routed._base is weight and not routed.grad_fn.ran
+                and routed.grad_fn.main_grad is main_grad):
             return routed
-    routed = _MainGradHandoff.apply(weight, main_grad)
-    for key in [k for k, (w, r) in _ROUTES.items() if w() is None or r() is None]:
-        del _ROUTES[key]
-    _ROUTES[id(weight)] = (weakref.ref(weight), weakref.ref(routed))
-    return routed
+        routed = _MainGradHandoff.apply(weight, main_grad)
+        _PENDING[id(weight)] = routed
+        return routed
 
 
 def main_grad_route(weight: torch.Tensor, config: Any) -> tuple[torch.Tensor, dict]:

@@ -148,18 +148,31 @@ def _op_samples():
     common = (x, w, labels, valid, coef, 0, None, False, 4, "torch")
     pl = ops.policy_loss_data(PolicyLoss(kl_coef=0.1, entropy_coef=0.05))
     inputs = [-torch.rand(n), torch.randn(n), -torch.rand(n)]
+    acc = torch.zeros(v, h)
+    stats = ops.logsoftmax_stats(*[a.detach() if torch.is_tensor(a) else a for a in common], None, False)
+    m, log_s, entropy = stats[4], stats[5], stats[1]
+    backward = (x.detach(), w.detach(), labels, valid, coef, 0, None, False, 4, "torch", m, log_s,
+                entropy, torch.randn(n), torch.randn(n), True, True)
     return {
         "logsoftmax_stats": (ops.logsoftmax_stats, common + (None, False)),
+        "logsoftmax_stats-accumulator": (ops.logsoftmax_stats, common + (acc, True)),
+        "logsoftmax_stats_backward": (ops.logsoftmax_stats_backward, backward + (None,)),
+        "logsoftmax_stats_backward-accumulator": (ops.logsoftmax_stats_backward, backward + (acc.clone(),)),
         "fused_token_loss-nll": (ops.fused_token_loss, common + (torch.rand(n), None, [], True, True)),
         "fused_token_loss-policy": (ops.fused_token_loss, common + (torch.rand(n), pl, inputs, True, True)),
+        # an op without autograd (its autograd.Function wraps it): called on detached inputs
+        "fused_token_loss_into_": (ops.fused_token_loss_into_, (x.detach(), w.detach()) + common[2:]
+                                   + (acc.clone(), 0.5, torch.rand(n), pl, inputs, True, True)),
     }
 
 
 @pytest.mark.parametrize("name", list(_op_samples()))
 def test_ops_pass_torch_library_opcheck(name):
     """``torch.library.opcheck``: the schema matches what the op does (no undeclared mutation
-    or aliasing), the fake implementation matches the real one's outputs, the registered
-    autograd is reached, and AOTAutograd traces it."""
+    or aliasing; the accumulator forms write only what they declare), the fake implementation
+    matches the real one's outputs, the registered autograd is reached, and AOTAutograd traces
+    it. (The collectives, ``all_reduce_`` and ``reduce_scatter_tokens``, need a process group:
+    the TP tests run them.)"""
     op, args = _op_samples()[name]
     torch.library.opcheck(op, args)
 

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import torch
 import torch.distributed as dist
@@ -111,19 +112,27 @@ def test_the_vocabulary_split_over_plain_torch_distributed_ranks():
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
     results = []
-    while len(results) < world:  # a rank that dies says so at once, not after a timeout
-        try:
-            results.append(queue.get(timeout=5))
-        except queue_module.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            assert not dead, f"a rank exited with {dead}"
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 240
+        while len(results) < world:  # a rank that dies or hangs fails the test, never hangs it
+            try:
+                results.append(queue.get(timeout=5))
+            except queue_module.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                assert not dead, f"a rank exited with {dead}"
+                assert time.monotonic() < deadline, "the ranks did not answer within 240 s"
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
     results.sort(key=lambda r: r[0])
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
     x, w, y = _data()
     lp, ent, dx, dw = _ours(x, w, y)
     tw = torch.rand(N, generator=torch.Generator().manual_seed(1))

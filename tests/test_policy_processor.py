@@ -294,25 +294,28 @@ def test_mtp_depths_add_into_main_grad_too():
     assert ((layer.weight.main_grad - ref).norm() / ref.norm()) < 1e-6
 
 
-def _handoff_nodes(root) -> int:
-    """How many main_grad hand-off nodes the graph below ``root`` holds."""
-    seen, stack, count = set(), [root], 0
+def _handoff_nodes(root) -> set:
+    """The main_grad hand-off nodes the graph below ``root`` holds."""
+    seen, stack, found = set(), [root], set()
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        count += type(node).__name__ == "_MainGradHandoffBackward"
+        if type(node).__name__ == "_MainGradHandoffBackward":
+            found.add(node)
         stack.extend(n for n, _ in node.next_functions)
-    return count
+    return found
 
 
-def test_one_placeholder_per_backward_for_the_head_and_every_mtp_depth():
-    """The main head and two MTP depths route the same weight into main_grad: one hand-off node
-    (one [V/tp, h] placeholder per backward, as Megatron's own layer makes), not one per call
-    for autograd to sum. Two micro-batches interleaved as 1F1B does (forward, forward,
-    backward, backward) each get theirs, and main_grad is the sum of both, as without the
-    route."""
+@pytest.mark.parametrize("declared", [None, 1.0], ids=["in-backward", "declared"])
+def test_one_placeholder_per_backward_for_the_head_and_every_mtp_depth(declared):
+    """The main head (the policy loss; with its gradient declared, the fused op, which saves no
+    weight) and two MTP depths route the same weight into main_grad: one hand-off node (one [V/tp, h] placeholder per backward, as
+    Megatron's own layer makes), not one per call for autograd to sum. Two micro-batches
+    interleaved as 1F1B does (forward, forward, backward, backward): the second forward finds
+    the first's node still pending and shares it, the node runs in each backward (a placeholder
+    each), and main_grad is the sum of both, as without the route."""
     import types
 
     from mcore_hooks.mtp import MTPDepth, fused_mtp_loss
@@ -328,7 +331,7 @@ def test_one_placeholder_per_backward_for_the_head_and_every_mtp_depth():
         labels = torch.randint(0, v, (b, s), generator=gg)
         kw = hook_keywords(hidden, layer, labels=labels, context=_inputs((b, s), gg))
         kw["config"] = config
-        loss = PolicyLossProcessor(loss=CFG)(**kw)["loss"]
+        loss = PolicyLossProcessor(loss=CFG, upstream_grad=declared if fused else None)(**kw)["loss"]
         for depth in range(2):
             d = MTPDepth(hidden * (depth + 2), labels, layer.weight, layer, 1.0, 0, 1, config, None,
                          0, 1, depth, False)
@@ -340,7 +343,8 @@ def test_one_placeholder_per_backward_for_the_head_and_every_mtp_depth():
         handle = ddp_like(layer.weight, zero_out_wgrad=False)
         first, second = forward(fused, 1), forward(fused, 2)
         if fused:
-            assert _handoff_nodes(first.grad_fn) == 1 and _handoff_nodes(second.grad_fn) == 1
+            nodes = _handoff_nodes(first.grad_fn), _handoff_nodes(second.grad_fn)
+            assert len(nodes[0]) == len(nodes[1]) == 1 and nodes[0] == nodes[1]
         first.backward()
         second.backward()
         results[fused] = layer.weight.main_grad.clone()

@@ -267,7 +267,8 @@ def linear_policy_loss(
         raise ValueError("token_weight: every value must be finite")
     fn = per_token_loss(PolicyLoss() if loss is None else loss)
     tensors = {k: _token_vector(f"inputs[{k!r}]", v, p.n, hidden.device) for k, v in (inputs or {}).items()}
-    if isinstance(fn.fn, PolicyLoss) and fn.needs_entropy == fn.fn.needs_entropy:
+    # exactly PolicyLoss (a subclass may change the formula the op would rebuild from the fields)
+    if type(fn.fn) is PolicyLoss and fn.needs_entropy == fn.fn.needs_entropy:
         # data: the op takes it (and checks the inputs' values)
         fn.check_inputs(tensors)
         r = _fused(hidden, weight, p, tw, fn.fn, tensors)
@@ -288,7 +289,7 @@ def _fused(hidden, weight, p: KernelParams, token_weight: torch.Tensor,
     need_x = hidden.requires_grad and torch.is_grad_enabled()
     need_w = weight.requires_grad and torch.is_grad_enabled()
     in_forward = p.weight_grad_accumulator is None or p.upstream_grad is not None
-    as_data = loss is None or isinstance(loss, PolicyLoss)
+    as_data = loss is None or type(loss) is PolicyLoss
     if (need_x or need_w) and in_forward and as_data:
         names = () if loss is None else loss.input_names
         return ops.fused_loss(hidden, weight, p, token_weight, loss, [inputs[k] for k in names],
@@ -434,7 +435,7 @@ def _select_backend(name: str, hidden: torch.Tensor) -> str:
     """``auto``: Triton for bf16/fp16 on a CUDA GPU it has tiles for, else the torch backend.
     Returns the backend's name (the ops build it where they run)."""
     low_precision = hidden.dtype in (torch.bfloat16, torch.float16)
-    tiles = _tiles_name(hidden.device)
+    tiles = _tiles_name(hidden.device) if name != "torch" else ""
     if name == "triton":
         if not tiles or not low_precision:
             from . import triton_fused

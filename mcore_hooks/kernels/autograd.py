@@ -284,7 +284,8 @@ def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
 def reduce_scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over ranks, keep this rank's token shard (the sequence-parallel dgrad reduction)."""
     rank, world = group_rank_size(group)
-    if x.device.type == "cpu":  # gloo has no reduce_scatter: all-reduce, then slice
+    if x.device.type == "cpu":  # gloo has no reduce_scatter: all-reduce a copy, then slice
+        x = x.clone()
         dist.all_reduce(x, group=group)
         return x.chunk(world)[rank].clone()
     out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)

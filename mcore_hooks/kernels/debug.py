@@ -5,8 +5,8 @@ means reading the tensors' values on the host: on a GPU that is a device synchro
 call, which costs time and breaks CUDA graphs and ``torch.compile``. So on CUDA those checks run
 only with debug checks on; off, an offending token's log-prob, entropy and loss are NaN (and so
 are the gradients it feeds) instead of a silently wrong number. Tensors on the CPU are always
-checked: reading them synchronises with nothing, except while ``torch.compile`` traces a call
-(values are unknown then; the custom ops still check the values they hold when they run).
+checked: reading them synchronises with nothing, except in a function ``torch.compile`` compiles
+(its values are unknown while it is traced): there, as on CUDA, an offending token gives NaN.
 
 Turn the checks on everywhere with the environment variable ``MCORE_HOOKS_DEBUG_CHECKS=1``, or in
 code with :func:`set_debug_checks` / the :func:`debug_checks` context manager; ``False`` (or
@@ -77,8 +77,8 @@ def debug_checks(enabled: Optional[bool] = True) -> Iterator[None]:
 
 def check_values(t: torch.Tensor) -> bool:
     """Whether to check ``t``'s values now (see :func:`set_debug_checks`). Not while
-    ``torch.compile`` traces (values are not known then; the ops check what they hold when they
-    run), unless debug checks were asked for, which then break the graph there."""
+    ``torch.compile`` traces (values are not known then), unless debug checks were asked for,
+    which then break the graph there."""
     if _ENABLED is None:
         return t.device.type == "cpu" and not torch.compiler.is_compiling()
     return _ENABLED

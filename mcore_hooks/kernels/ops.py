@@ -58,10 +58,6 @@ def _params(labels, valid, coef, vocab_start, group, sequence_parallel, chunk_si
                         chunk_size, backend, accumulator, False, upstream_grad)
 
 
-def _none_if_empty(t: Tensor) -> Optional[Tensor]:
-    return None if t.dim() == 1 and t.shape[0] == 0 else t
-
-
 def _nothing(like: Tensor) -> Tensor:
     """An op cannot return None for a Tensor: an empty tensor stands for it."""
     return like.new_empty(0)
@@ -253,7 +249,7 @@ def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel
 
 
 def _fused_setup(ctx, inputs, output):
-    hidden, weight, _, _, _, _, group, sp = inputs[:8]
+    hidden, _, _, _, _, _, group, sp = inputs[:8]
     _, logprob, entropy, dx32, dw32 = output
     # the loss alone carries a gradient: the per-token values are detached by contract, the
     # float32 gradients are for the backward (no zeros made for their gradients)
