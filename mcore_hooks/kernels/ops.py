@@ -6,13 +6,15 @@ or a collective on a process group; as opaque ops with fake (shape-only) impleme
 not have to. Their arguments are plain data: tensors, ints, floats, strings, the process group
 by name (``ProcessGroup.group_name``), the backend by name, and a per-token loss as
 :class:`~.losses.PolicyLoss`'s fields (a loss given as an arbitrary Python function cannot be an
-op argument: it keeps the :class:`~.autograd.LinearFusedLoss` path, which compiles with a graph
-break). Eager calls go through the same ops: one path.
+op argument: it keeps the :class:`LinearFusedLoss` path at the end of this module, which
+compiles with a graph break). Eager calls go through the same ops: one path.
 
 * ``logsoftmax_stats`` / ``logsoftmax_stats_backward``: the 2NHV log-prob/entropy pass and its
   backward (which adds into ``accumulator``, Megatron's ``main_grad``, where one is given);
-* ``fused_token_loss``: a loss with its gradients formed in the forward (adds into
-  ``accumulator`` in the forward where an upstream gradient is declared);
+* ``fused_token_loss``: a loss with its gradients formed in the forward;
+  ``fused_token_loss_into_`` the same with its upstream gradient declared, adding into
+  ``accumulator`` in the forward (an op that writes an input has no registered autograd: an
+  autograd Function wraps it);
 * ``all_reduce_`` / ``reduce_scatter_tokens``: the hidden-state gradient's reduction, which
   the backward (traced by AOTAutograd) cannot issue on a process group object itself.
 """
