@@ -56,7 +56,7 @@ CASES = {
     "fused-logprob": (lambda: FusedLogprobProcessor(backend="torch"), None),
     "fused-logprob-per-sample-T": (lambda: FusedLogprobProcessor(backend="torch", temperature=T_ROWS), None),
     "entropy": (lambda: EntropyProcessor(backend="torch"), None),
-    "logprob-entropy": (lambda: LogprobEntropyProcessor(backend="torch", temperature=0.8), None),
+    "logprob-entropy-per-sample-T": (lambda: LogprobEntropyProcessor(backend="torch", temperature=T_ROWS), None),
     "logprob-entropy-tuple": (lambda: LogprobEntropyProcessor(backend="torch", as_tuple=True), None),
     "linear-ce-sum": (lambda: LinearCEProcessor(backend="torch"), None),
     "linear-ce-mean": (lambda: LinearCEProcessor(backend="torch", reduction="mean"), None),

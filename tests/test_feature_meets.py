@@ -276,35 +276,3 @@ def test_the_output_layers_hooks_run_as_upstreams(how):
     expected = {"ignores-layer": (0, 0), "reads-weight": (1, 0), "calls-layer": (1, 1)}[how]
     assert (counts["pre"], counts["post"]) == expected
     assert type(model.output_layer).__name__ == "ColumnParallelLinear"  # its class is back
-
-
-# --------------------------------------------------------------------------- torch.compile
-
-
-@pytest.mark.filterwarnings("ignore:Dynamo")  # its notes on what it traces around
-def test_processors_under_torch_compile_on_the_torch_backend():
-    """torch.compile (with graph breaks: ``fullgraph`` is not supported yet) around a processor
-    call gives the eager values and gradients: the policy loss, whose forward takes derivatives
-    itself, and the log-prob/entropy pass with a per-sample temperature. float32 sums of a few
-    O(1) terms, reordered by the compiler: 1e-5 relative."""
-    layer, hidden, labels = _layer_and_hidden()
-    ctx = {"old_logprobs": -torch.rand(2, 16) * 3, "advantages": torch.randn(2, 16)}
-
-    def policy(h):
-        return PolicyLossProcessor(backend="torch")(**hook_keywords(h, layer, labels=labels, context=ctx))["loss"]
-
-    def logprob_entropy(h):
-        out = LogprobEntropyProcessor(backend="torch", temperature=torch.tensor([0.7, 1.3]))(
-            **hook_keywords(h, layer, labels=labels))
-        return out["logprobs"].sum() + 0.3 * out["entropy"].sum()
-
-    for fn in (policy, logprob_entropy):
-        results = []
-        for run in (fn, torch.compile(fn)):
-            h = hidden.clone().requires_grad_()
-            layer.zero_grad()
-            out = run(h)
-            out.backward()
-            results.append((out.detach(), h.grad, layer.weight.grad.clone()))
-        for a, b in zip(*results):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
