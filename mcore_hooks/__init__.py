@@ -57,12 +57,15 @@ from .postprocess import (
     PostprocessProcessor,
     check_output_processor,
 )
+from .kernels import Truncation
 from .processors import (
     EntropyProcessor,
     FusedLogprobProcessor,
     LinearCEProcessor,
     LogprobEntropyProcessor,
     PolicyLossProcessor,
+    SelectedLogprobProcessor,
+    TopKDistillationProcessor,
     megatron_upstream_grad,
 )
 
@@ -77,6 +80,9 @@ __all__ = [
     "LogprobEntropyProcessor",
     "PostprocessContext",
     "PolicyLossProcessor",
+    "SelectedLogprobProcessor",
+    "TopKDistillationProcessor",
+    "Truncation",
     "PostprocessProcessor",
     "check_output_processor",
     "debug_checks",

@@ -59,18 +59,25 @@ def logit_grad_reference(
     x: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
     terms: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     temperature: Union[float, torch.Tensor] = 1.0, scale: float = 1.0, ignore_index: int = -100,
+    keep: Optional[torch.Tensor] = None,
 ) -> LogitGradReference:
     """float64 loss ``sum_i terms(logprob, entropy)_i`` over valid tokens (ignored ones have
-    no term and no gradient), its logit gradient and dX, dW."""
+    no term and no gradient), its logit gradient and dX, dW. With ``keep`` (``[N, V]`` bool,
+    each row's kept set) the distribution is renormalised over it: the other logits are -inf
+    (log p = -inf, p = 0: no term anywhere below)."""
     x64, w64 = x.detach().double(), w.detach().double()
     n = x.shape[0]
     t = temperature.double() if torch.is_tensor(temperature) else torch.full((n,), float(temperature), dtype=torch.float64)
     coef = scale / t
     z = (x64 @ w64.t()).requires_grad_()
-    logp = torch.log_softmax(z * coef.unsqueeze(1), dim=-1)
+    l = z * coef.unsqueeze(1)
+    if keep is not None:
+        l = torch.where(keep, l, -math.inf)
+    logp = torch.log_softmax(l, dim=-1)
     valid = labels != ignore_index
     lp = torch.where(valid, logp.gather(1, labels.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
-    ent_all = -(logp.exp() * logp).sum(-1)
+    finite = torch.where(torch.isfinite(logp), logp, 0.0)
+    ent_all = -(finite.exp() * finite).sum(-1) if keep is None else -(logp.exp() * finite).sum(-1)
     ent = torch.where(valid, ent_all, 0.0)
     lp_leaf, ent_leaf = lp.detach().requires_grad_(), ent.detach().requires_grad_()
     loss = torch.where(valid, terms(lp_leaf, ent_leaf), 0.0).sum()
@@ -81,6 +88,11 @@ def logit_grad_reference(
     dz = z.grad
     return LogitGradReference(coef, logp.detach(), ent_all.detach(), g1, g2, labels, dz,
                               loss.detach(), dz @ w64, dz.t() @ x64)
+
+
+def _finite(logp: torch.Tensor) -> torch.Tensor:
+    """log p with the -inf outside a kept set as 0 (multiplied by p = 0 wherever it is used)."""
+    return torch.where(torch.isfinite(logp), logp, 0.0)
 
 
 def logprob_error(ref: LogitGradReference, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -96,7 +108,9 @@ def logprob_error(ref: LogitGradReference, x: torch.Tensor, w: torch.Tensor) -> 
     hidden, vocab = x.shape[1], w.shape[0]
     a = x.detach().double().abs() @ w.detach().double().abs().t()
     lam = ((hidden + 2) * U32 * ref.coef.unsqueeze(1) * a).amax(1, keepdim=True)
-    d = (ref.logp.amax(1) - ref.logp.amin(1)).unsqueeze(1)
+    logp = _finite(ref.logp)
+    lo = torch.where(torch.isfinite(ref.logp), ref.logp, math.inf).amin(1)
+    d = (logp.amax(1) - lo).unsqueeze(1)
     log_v = math.log(vocab)
     return 3 * lam + U32 * (vocab + 2 * d + 4 * log_v + ref.entropy.unsqueeze(1) + 6)
 
@@ -124,8 +138,9 @@ def logit_grad_error(
     token, [N] or a float)."""
     vocab = w.shape[0]
     eps = logprob_error(ref, x, w)
-    p, logp = ref.logp.exp(), ref.logp
-    d = (logp.amax(1) - logp.amin(1)).unsqueeze(1)
+    p, logp = ref.logp.exp(), _finite(ref.logp)  # outside a kept set: p = 0, no term
+    lo = torch.where(torch.isfinite(ref.logp), ref.logp, math.inf).amin(1)
+    d = (logp.amax(1) - lo).unsqueeze(1)
     h = ref.entropy.unsqueeze(1)
     d_h = 2 * eps * (1 + d + math.log(vocab))
     g1, g2 = ref.g_logprob.abs().unsqueeze(1), ref.g_entropy.abs().unsqueeze(1)

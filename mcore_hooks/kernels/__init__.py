@@ -21,7 +21,9 @@ import torch
 
 from .debug import check_values
 from . import ops
-from .autograd import Backend, TokenLoss, group_rank_size
+from . import candidates as cand
+from .autograd import Backend, GlobalStats, TokenLoss, group_rank_size, label_is_row_max
+from .candidates import Truncation
 from .losses import PerTokenLoss, PolicyLoss, PolicyLossResult, WeightedNLL, aggregation_weights, per_token_loss
 from .options import KernelParams, VocabParallel
 from .torch_chunked import TorchChunked
@@ -29,7 +31,7 @@ from .torch_chunked import TorchChunked
 __all__ = [
     "VocabParallel", "LogprobEntropy", "linear_logprob_entropy", "linear_cross_entropy",
     "linear_policy_loss", "PolicyLoss", "PolicyLossResult", "aggregation_weights", "per_token_loss",
-    "TokenLoss", "BACKENDS", "backend_for", "default_chunk_size",
+    "TokenLoss", "BACKENDS", "backend_for", "default_chunk_size", "Truncation",
 ]
 
 BACKENDS = ("auto", "torch", "triton")
@@ -49,12 +51,15 @@ class LogprobEntropy(NamedTuple):
         logz: float32 log of the softmax's normaliser (no gradient).
         label_is_argmax: bool, whether the label is the most likely token (None without labels;
             multi-token prediction's acceptance).
+        selected: float32 ``[N, K]`` log-probabilities of ``selected_ids`` under the full
+            distribution (None when none were given).
     """
 
     logprob: Optional[torch.Tensor]
     entropy: torch.Tensor
     logz: torch.Tensor
     label_is_argmax: Optional[torch.Tensor] = None
+    selected: Optional[torch.Tensor] = None
 
 
 def default_chunk_size(local_vocab: int) -> int:
@@ -82,6 +87,9 @@ def linear_logprob_entropy(
     backend: str = "auto",
     weight_grad_accumulator: Optional[torch.Tensor] = None,
     placeholder_weight_grad: bool = False,
+    kept_ids: Optional[torch.Tensor] = None,
+    truncation: Optional[Truncation] = None,
+    selected_ids: Optional[torch.Tensor] = None,
 ) -> LogprobEntropy:
     """Per-token log-prob of ``labels`` and entropy, float32 ``[N]``, differentiable.
 
@@ -105,6 +113,20 @@ def linear_logprob_entropy(
         placeholder_weight_grad: with an accumulator, give ``weight`` a zero-stride zero
             gradient instead of none, so that hooks on its gradient (Megatron DDP's) still run,
             as Megatron's own layers hand back a placeholder.
+        kept_ids: ``[N, K]`` integer global ids, each token's kept set (a rollout's sampling
+            mask; -1 pads a row; no id twice in a row): the log-prob, entropy and ``logz`` are
+            then of the distribution renormalised over the set. Only the ``K`` kept logits are
+            made (a gather of ``K`` weight rows a token), not a pass over the vocabulary. A
+            counted token whose label is not in its set is bad input: an error where values
+            are checked, else NaN there.
+        truncation: a :class:`Truncation` (top-k, top-p, min-p) recomputed from these logits:
+            the kept set is then the truncation's (plus the label), found in one pass over
+            the vocabulary (the torch backend's, whatever ``backend`` says: the Triton tiles
+            keep no logits to rank), and the results are renormalised over it as with
+            ``kept_ids``.
+        selected_ids: ``[N, K]`` integer global ids per token (a teacher's top-k): their
+            log-probabilities under the full distribution come back in ``selected``,
+            differentiable (0 at -1 padding and ignored positions).
 
     Returns:
         :class:`LogprobEntropy`: float32 ``[N]`` log-probs (None without labels) and entropies,
@@ -119,10 +141,77 @@ def linear_logprob_entropy(
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
                  chunk_size, backend, accumulator=weight_grad_accumulator,
                  dummy_weight_grad=placeholder_weight_grad)
+    if kept_ids is not None or truncation is not None:
+        if labels is None or kept_ids is not None and truncation is not None or selected_ids is not None:
+            raise ValueError(
+                "kept_ids / truncation: a distribution renormalised over a kept set needs labels, "
+                "and takes either kept_ids or truncation, not both, nor selected_ids (log-probs "
+                "under the full distribution)")
+        if truncation is not None:
+            if not isinstance(truncation, Truncation):
+                raise TypeError(f"truncation: expected a Truncation, got {type(truncation).__name__}")
+            ids = _truncated(hidden, weight, p, truncation)
+        else:
+            ids = _id_matrix("kept_ids", kept_ids, p.n, weight.shape[0] * group_rank_size(parallel.group)[1],
+                             hidden.device)
+            cand.check_kept_ids(ids, p.labels, p.valid, weight.shape[0] * group_rank_size(parallel.group)[1])
+        r = cand.kept_stats(ops.logits_of(hidden, weight, ids, p), ids, p.labels, p.valid)
+        return LogprobEntropy(r.logprob, r.entropy, r.logz, r.label_is_argmax)
+    if selected_ids is not None:
+        ids = _id_matrix("selected_ids", selected_ids, p.n, weight.shape[0] * group_rank_size(parallel.group)[1],
+                         hidden.device)
+        return _selected(hidden, weight, p, ids, with_label=labels is not None)
     logprob, entropy, logz, best = ops.stats(hidden, weight, p)
     if labels is None:
         return LogprobEntropy(None, entropy, logz)
     return LogprobEntropy(logprob, entropy, logz, best)
+
+
+def _id_matrix(name: str, ids: Any, n: int, v_total: int, device: torch.device) -> torch.Tensor:
+    """``[N, K]`` long ids on ``device`` (checked: an integer matrix, one row per token, ids in
+    the vocabulary or -1 where values are checked)."""
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
+            or ids.dtype == torch.bool:
+        raise TypeError(f"{name}: expected an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.dim() != 2 or ids.shape[0] != n or ids.shape[1] < 1:
+        raise ValueError(f"{name}: expected shape ({n}, K) (K ids per token), got {tuple(ids.shape)}")
+    ids = ids.to(device=device, dtype=torch.long)
+    if check_values(ids):
+        bad = (ids < -1) | (ids >= v_total)
+        if bool(bad.any()):
+            raise ValueError(f"{name}: ids must be in [0, {v_total}) or -1 (padding), got {int(ids[bad][0])}")
+    return ids
+
+
+def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams, t: Truncation) -> torch.Tensor:
+    """The kept ids ``[N, top_k + 1]`` of a truncation of these logits, the label added where
+    the truncation dropped it (no gradient: a selection)."""
+    values, ids = ops.top_k_ids(hidden.detach(), weight.detach(), p.coef, p.vocab_start,
+                                ops.group_name(p.group), p.sequence_parallel, p.chunk_size, t.top_k)
+    return cand.with_labels(cand.truncate(values, ids, t), p.labels, p.valid)
+
+
+def _selected(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams, ids: torch.Tensor,
+              with_label: bool) -> LogprobEntropy:
+    """Log-probs of ``ids`` (and of the labels) under the full distribution: one statistics pass
+    (no label: its log-prob output is then ``-logZ``, with the gradient ``-p``) and the ids'
+    logits gathered, the label's among them."""
+    none = torch.full_like(p.labels, -1)
+    out = ops.logsoftmax_stats(hidden, weight, none, p.valid, p.coef, p.vocab_start,
+                               ops.group_name(p.group), p.sequence_parallel, p.chunk_size, p.backend,
+                               p.weight_grad_accumulator, p.dummy_weight_grad)
+    neg_logz, entropy, logz, m, log_s = out[0], out[1], out[2], out[4], out[5]
+    cols = torch.cat([ids, torch.where(p.valid, p.labels, -1).unsqueeze(1)], dim=1) if with_label else ids
+    logits = ops.logits_of(hidden, weight, cols, p)
+    # (l - m) - log s, as the statistics pass rounds it; the gradient of -logZ added as an exact 0
+    value = (logits - m.unsqueeze(1)) - log_s.unsqueeze(1)
+    lp = value + (neg_logz - neg_logz.detach()).unsqueeze(1)
+    lp = torch.where(p.valid.unsqueeze(1) & (cols >= 0), lp, 0.0)
+    if not with_label:
+        return LogprobEntropy(None, entropy, logz, None, lp)
+    label_logit = logits[:, -1]
+    best = p.valid & label_is_row_max(GlobalStats(m, log_s, entropy, label_logit))
+    return LogprobEntropy(lp[:, -1], entropy, logz, best, lp[:, :-1])
 
 
 def linear_cross_entropy(
@@ -210,6 +299,8 @@ def linear_policy_loss(
     weight_grad_accumulator: Optional[torch.Tensor] = None,
     placeholder_weight_grad: bool = False,
     upstream_grad: Optional[float] = None,
+    kept_ids: Optional[torch.Tensor] = None,
+    truncation: Optional[Truncation] = None,
 ) -> PolicyLossResult:
     """A policy loss ``sum_i token_weight_i * f(logprob_i, entropy_i, inputs_i)``, fused with the
     output layer, with its gradients formed in the forward.
@@ -246,7 +337,11 @@ def linear_policy_loss(
         placeholder_weight_grad: as :func:`linear_logprob_entropy`'s.
         upstream_grad: as :func:`linear_cross_entropy`'s (with an accumulator, the loss's
             gradient declared in advance: gradients formed in the forward, the weight's added
-            into the accumulator there).
+            into the accumulator there). Unused with a kept set.
+        kept_ids, truncation: as :func:`linear_logprob_entropy`'s: the loss takes the
+            log-probs and entropies renormalised over each token's kept set. Only the kept
+            logits are made (with ``kept_ids``, no pass over the vocabulary), so the terms are
+            differentiated by autograd through them and the gradients formed in the backward.
 
     Returns:
         :class:`PolicyLossResult`: the float32 scalar loss, and detached float32 ``[N]``
@@ -267,6 +362,18 @@ def linear_policy_loss(
         raise ValueError("token_weight: every value must be finite")
     fn = per_token_loss(PolicyLoss() if loss is None else loss)
     tensors = {k: _token_vector(f"inputs[{k!r}]", v, p.n, hidden.device) for k, v in (inputs or {}).items()}
+    if kept_ids is not None or truncation is not None:
+        fn.check_inputs(tensors)
+        r = linear_logprob_entropy(
+            hidden, weight, labels, temperature=temperature, logit_scale=logit_scale,
+            ignore_index=ignore_index, parallel=parallel, chunk_size=chunk_size, backend=backend,
+            weight_grad_accumulator=weight_grad_accumulator,
+            placeholder_weight_grad=placeholder_weight_grad, kept_ids=kept_ids, truncation=truncation)
+        ent = r.entropy if fn.needs_entropy else None
+        terms = fn.bind(tw, tensors, p.valid).terms(slice(0, p.n), r.logprob, ent)
+        total = torch.where(p.valid, terms, 0.0).sum()
+        return PolicyLossResult(total, r.logprob.detach(),
+                                r.entropy.detach() if fn.needs_entropy else torch.zeros_like(r.logprob))
     # exactly PolicyLoss (a subclass may change the formula the op would rebuild from the fields)
     if type(fn.fn) is PolicyLoss and fn.needs_entropy == fn.fn.needs_entropy:
         # data: the op takes it (and checks the inputs' values)

@@ -281,6 +281,14 @@ def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def gather_columns(t: torch.Tensor, group) -> torch.Tensor:
+    """All-gather ``[N, k]`` along the columns: ``[N, world * k]``, rank-major."""
+    world = group_rank_size(group)[1]
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
 def reduce_scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
     """Sum over ranks, keep this rank's token shard (the sequence-parallel dgrad reduction)."""
     rank, world = group_rank_size(group)

@@ -49,3 +49,10 @@ def addmm_f32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float
         torch.addmm(acc, a, b, alpha=alpha, out_dtype=torch.float32, out=acc)
     else:
         acc.addmm_(a.float(), b.float(), alpha=alpha)
+
+
+def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Batched ``a @ b`` as float32 (an fp32 ``a`` with a bf16/fp16 ``b`` multiplies fp32 copies)."""
+    if a.dtype == b.dtype and _fp32_product(a, "aten::bmm.dtype"):
+        return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())

@@ -21,17 +21,26 @@ def _chunk_logits(x, weight, coef, start, end):
 class TorchChunked(Backend):
     name = "torch"
 
+    def local_stats(self, x, weight, coef, local_label, chunk_size) -> LocalStats:
+        return self.local_stats_top_k(x, weight, coef, local_label, chunk_size, 0)[0]
+
     @staticmethod
-    def local_stats(x, weight, coef, local_label, chunk_size) -> LocalStats:
+    def local_stats_top_k(x, weight, coef, local_label, chunk_size, top_k):
+        """:meth:`local_stats`, and with ``top_k > 0`` each token's ``min(top_k, V_local)``
+        largest logits and their local rows, taken from the same chunks (None otherwise)."""
         n = x.shape[0]
         f32 = dict(dtype=torch.float32, device=x.device)
         m, s, a, t = (torch.empty(n, **f32) for _ in range(4))
+        kk = min(top_k, weight.shape[0])
+        top = (torch.empty((n, kk), **f32), torch.empty((n, kk), dtype=torch.long, device=x.device)) if kk else None
         owned = local_label >= 0
         index = local_label.clamp(min=0).unsqueeze(1)  # gather at a safe index, then mask: no sync
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             z = _chunk_logits(x, weight, coef, start, end)
             t[start:end] = torch.where(owned[start:end], z.gather(1, index[start:end]).squeeze(1), 0.0)
+            if top is not None:
+                top[0][start:end], top[1][start:end] = z.topk(kk, dim=1)
             zmax = z.amax(dim=1)
             m[start:end] = zmax
             z.sub_(zmax.unsqueeze(1))  # l - m_loc <= 0
@@ -39,7 +48,7 @@ class TorchChunked(Backend):
             s[start:end] = e.sum(dim=1)
             a[start:end] = (e * z).sum(dim=1)
             del z, e
-        return LocalStats(m, s, a, t)
+        return LocalStats(m, s, a, t), top
 
     @staticmethod
     def grads(x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w,

@@ -12,6 +12,8 @@ from .fused import (
     LinearCEProcessor,
     LogprobEntropyProcessor,
     PolicyLossProcessor,
+    SelectedLogprobProcessor,
+    TopKDistillationProcessor,
     megatron_upstream_grad,
 )
 
@@ -22,5 +24,7 @@ __all__ = [
     "LogprobEntropyProcessor",
     "LinearCEProcessor",
     "PolicyLossProcessor",
+    "SelectedLogprobProcessor",
+    "TopKDistillationProcessor",
     "megatron_upstream_grad",
 ]

@@ -29,6 +29,7 @@ from ..kernels import (
     BACKENDS,
     LogprobEntropy,
     PolicyLoss,
+    Truncation,
     VocabParallel,
     aggregation_weights,
     check_upstream_grad_option,
@@ -48,8 +49,39 @@ __all__ = [
     "LogprobEntropyProcessor",
     "LinearCEProcessor",
     "PolicyLossProcessor",
+    "SelectedLogprobProcessor",
+    "TopKDistillationProcessor",
     "megatron_upstream_grad",
 ]
+
+KeptSet = Union[None, Literal["replay"], Truncation]
+
+
+def _check_kept_set(kept_set: Any) -> None:
+    if not (kept_set is None or isinstance(kept_set, Truncation)
+            or isinstance(kept_set, str) and kept_set == "replay"):
+        raise ValueError(
+            "kept_set: expected None (the full vocabulary), 'replay' (the rollout's sampling mask, "
+            "output_processor_context['sampling_mask']) or a Truncation (recomputed), got "
+            f"{kept_set!r}")
+
+
+def _per_token_ids(name: str, t: Any, b: int, s: int) -> torch.Tensor:
+    """``[b, s, K]`` integer ids -> ``[s*b, K]`` long, s-major like the kernel's tokens."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[:2] != (b, s):
+        raise ValueError(
+            f"{name}: expected a [b, s, K] = ({b}, {s}, K) integer tensor (K ids per position, -1 "
+            f"padding), got {tuple(getattr(t, 'shape', ())) or type(t).__name__}")
+    return t.transpose(0, 1).reshape(b * s, t.shape[2])
+
+
+def _context_tensor(ctx: PostprocessContext, key: str, what: str) -> Any:
+    given = ctx.context
+    if not hasattr(given, "__getitem__") or not hasattr(given, "keys") or key not in given.keys():
+        raise ValueError(
+            f"output_processor_context: expected a mapping with {key!r} ({what}), got "
+            f"{type(given).__name__}{' without it' if hasattr(given, 'keys') else ''}")
+    return given[key]
 
 
 class _KernelInputs(NamedTuple):
@@ -176,13 +208,33 @@ class _FusedProcessor(PostprocessProcessor):
         kwargs.update(into_main_grad)
         return _KernelInputs(hidden.reshape(-1, h), weight, flat_labels, kwargs, (b, s), labels)
 
+    kept_set: KeptSet = None
+
+    def sampling_mask(self, ctx: PostprocessContext) -> torch.Tensor:
+        """The rollout's kept set for ``kept_set="replay"``: integer ``[b, s, K]`` global ids
+        (-1 padding), row ``[i, j]`` the set the token labelled at ``[i, j]`` was sampled from
+        (aligned with the labels, sharded like them under context parallelism), taken from
+        ``output_processor_context["sampling_mask"]``; override to take it from elsewhere.
+        :func:`mcore_hooks.rollout.sampling_mask_ids` turns vLLM's and SGLang's masks into rows."""
+        return _context_tensor(ctx, "sampling_mask", "the rollout's sampling mask, [b, s, K] ids")
+
+    def kept_kwargs(self, ctx: PostprocessContext, bs: tuple[int, int]) -> dict:
+        """The kernel keywords of this processor's ``kept_set`` (none without one)."""
+        if self.kept_set is None:
+            return {}
+        if isinstance(self.kept_set, Truncation):
+            return {"truncation": self.kept_set}
+        return {"kept_ids": _per_token_ids("output_processor_context['sampling_mask']",
+                                           self.sampling_mask(ctx), *bs)}
+
     def compute(
         self, ctx: PostprocessContext, *, with_labels: bool = True
     ) -> tuple[LogprobEntropy, tuple[int, int], Optional[torch.Tensor]]:
         """Run the log-prob / entropy kernel; returns its per-token results, the ``(b, s)`` to
         reshape them to, and the ``[b, s]`` labels used (None without labels)."""
         k = self.kernel_inputs(ctx, with_labels=with_labels)
-        result = linear_logprob_entropy(k.hidden, k.weight, k.labels, **k.kwargs)
+        result = linear_logprob_entropy(k.hidden, k.weight, k.labels, **k.kwargs,
+                                        **self.kept_kwargs(ctx, k.bs))
         return result, k.bs, k.labels_bs
 
     def counted(self, ctx: PostprocessContext, k: "_KernelInputs") -> torch.Tensor:
@@ -222,6 +274,11 @@ class FusedLogprobProcessor(_FusedProcessor):
             logits a chunk); the Triton backend sizes its own tiles.
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
+        kept_set: None (the full vocabulary), ``"replay"`` (renormalise over the rollout's
+            sampling mask, :meth:`sampling_mask`) or a
+            :class:`~mcore_hooks.kernels.Truncation` (top-k / top-p / min-p recomputed from these
+            logits): the log-probs and entropies are then of the distribution the rollout
+            sampled from.
     """
 
     def __init__(
@@ -231,8 +288,11 @@ class FusedLogprobProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
+        kept_set: KeptSet = None,
     ) -> None:
         self._set_options(temperature, ignore_index, chunk_size, backend)
+        _check_kept_set(kept_set)
+        self.kept_set = kept_set
 
     def process(self, ctx: PostprocessContext) -> torch.Tensor:
         r, bs, _ = self.compute(ctx)
@@ -294,6 +354,11 @@ class LogprobEntropyProcessor(_FusedProcessor):
             logits a chunk); the Triton backend sizes its own tiles.
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
+        kept_set: None (the full vocabulary), ``"replay"`` (renormalise over the rollout's
+            sampling mask, :meth:`sampling_mask`) or a
+            :class:`~mcore_hooks.kernels.Truncation` (top-k / top-p / min-p recomputed from these
+            logits): the log-probs and entropies are then of the distribution the rollout
+            sampled from.
     """
 
     def __init__(
@@ -304,10 +369,13 @@ class LogprobEntropyProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
+        kept_set: KeptSet = None,
     ) -> None:
         _check_flag("as_tuple", as_tuple)
         self._set_options(temperature, ignore_index, chunk_size, backend)
+        _check_kept_set(kept_set)
         self.as_tuple = as_tuple
+        self.kept_set = kept_set
 
     def process(self, ctx: PostprocessContext) -> Union[dict, tuple]:
         r, bs, _ = self.compute(ctx)
@@ -421,7 +489,14 @@ class PolicyLossProcessor(_FusedProcessor):
             different gradient stops the process with a device-side assertion. The forward
             then adds into ``main_grad``: one backward per forward; refused in a recomputed
             (activation-checkpointed) forward. Ignored where the weight's gradient goes to
-            ``.grad``.
+            ``.grad``, and with a ``kept_set`` (no vocabulary pass to save: the gradients are
+            formed in the backward).
+        kept_set: None, ``"replay"`` (the rollout's sampling mask, from
+            ``output_processor_context["sampling_mask"]`` beside the loss' inputs) or a
+            :class:`~mcore_hooks.kernels.Truncation`: the log-probs (and entropies) the loss
+            takes are renormalised over the kept set, so the ratio is against the rollout's
+            ``processed_logprobs``. Only the kept logits are made (no vocabulary pass with
+            ``"replay"``).
     """
 
     def __init__(
@@ -435,6 +510,7 @@ class PolicyLossProcessor(_FusedProcessor):
         chunk_size: Optional[int] = None,
         backend: str = "auto",
         upstream_grad: Optional[float] = None,
+        kept_set: KeptSet = None,
     ) -> None:
         if aggregation not in AGGREGATIONS:
             raise ValueError(
@@ -444,9 +520,11 @@ class PolicyLossProcessor(_FusedProcessor):
         self._set_options(temperature, ignore_index, chunk_size, backend)
         check_upstream_grad_option(upstream_grad)
         self.loss = per_token_loss(PolicyLoss() if loss is None else loss)
+        _check_kept_set(kept_set)
         self.aggregation = aggregation
         self.as_tuple = as_tuple
         self.upstream_grad = upstream_grad
+        self.kept_set = kept_set
 
     def policy_inputs(self, ctx: PostprocessContext) -> dict:
         """The per-token inputs, float ``[b, s]`` by name: ``output_processor_context``."""
@@ -468,6 +546,8 @@ class PolicyLossProcessor(_FusedProcessor):
             num_sequences=num_sequences, group=_cp_group(ctx),
         )
         given = self.policy_inputs(ctx)
+        kept = self.kept_kwargs(ctx, k.bs)
+        given.pop("sampling_mask", None)  # the kept set, not a loss input
         self.loss.check_inputs(given, "output_processor_context")
         inputs = {}
         for name, t in given.items():
@@ -478,12 +558,137 @@ class PolicyLossProcessor(_FusedProcessor):
                 )
             inputs[name] = t.t().reshape(-1)  # s-major, like the kernel's tokens
         r = linear_policy_loss(k.hidden, k.weight, k.labels, token_weight=token_weight,
-                               loss=self.loss, inputs=inputs, **_declared(k.kwargs, self.upstream_grad))
+                               loss=self.loss, inputs=inputs, **_declared(k.kwargs, self.upstream_grad),
+                               **kept)
         loss = _whole_value(r.loss, ctx)
         logprobs, entropy = self.to_bs(r.logprob, k.bs), self.to_bs(r.entropy, k.bs)
         return (loss, logprobs, entropy) if self.as_tuple else {
             "loss": loss, "logprobs": logprobs, "entropy": entropy
         }
+
+
+class SelectedLogprobProcessor(_FusedProcessor):
+    """Log-probabilities of ``K`` given ids per position under the full distribution, float32
+    ``[b, s, K]`` (0 at -1 padding and at positions whose label is ``ignore_index``): one pass
+    over the vocabulary for the normaliser, the ids' logits gathered (``K`` weight rows a
+    token), differentiable.
+
+    The ids are integer ``[b, s, K]`` global vocabulary ids (a teacher's top-k) in
+    ``output_processor_context["selected_ids"]`` (override :meth:`selected_ids`). Labels (or
+    ``input_ids``) give the positions that count; with ``with_label=True`` the result is
+    ``{"selected": [b, s, K], "logprobs": [b, s]}``, the labels' log-probs from the same pass.
+
+    Args:
+        with_label: also return the labels' log-probs.
+        temperature, ignore_index, chunk_size, backend: as :class:`FusedLogprobProcessor`'s.
+    """
+
+    def __init__(
+        self,
+        *,
+        with_label: bool = False,
+        temperature: Union[float, torch.Tensor] = 1.0,
+        ignore_index: int = -100,
+        chunk_size: Optional[int] = None,
+        backend: str = "auto",
+    ) -> None:
+        _check_flag("with_label", with_label)
+        self._set_options(temperature, ignore_index, chunk_size, backend)
+        self.with_label = with_label
+
+    def selected_ids(self, ctx: PostprocessContext) -> torch.Tensor:
+        """Integer ``[b, s, K]`` ids: ``output_processor_context["selected_ids"]``."""
+        return _context_tensor(ctx, "selected_ids", "[b, s, K] vocabulary ids")
+
+    def selected(self, ctx: PostprocessContext) -> tuple[LogprobEntropy, "_KernelInputs"]:
+        """The kernel's results for this call, and its inputs."""
+        k = self.kernel_inputs(ctx)
+        ids = _per_token_ids("selected ids", self.selected_ids(ctx), *k.bs)
+        return linear_logprob_entropy(k.hidden, k.weight, k.labels, **k.kwargs, selected_ids=ids), k
+
+    def to_bsk(self, t: torch.Tensor, bs: tuple[int, int]) -> torch.Tensor:
+        b, s = bs
+        return t.view(s, b, -1).transpose(0, 1).clone(memory_format=torch.contiguous_format)
+
+    def process(self, ctx: PostprocessContext) -> Union[torch.Tensor, dict]:
+        r, k = self.selected(ctx)
+        sel = self.to_bsk(r.selected, k.bs)
+        return {"selected": sel, "logprobs": self.to_bs(r.logprob, k.bs)} if self.with_label else sel
+
+
+class TopKDistillationProcessor(SelectedLogprobProcessor):
+    """Forward KL from a teacher to this model over the teacher's top-k, fused with the output
+    layer (verl's ``forward_kl_topk``, NeMo RL's top-k distillation):
+    ``kl_t = sum_{i in top-k} p_i (log p_i - log q_i)``, ``p`` the teacher's log-probs as
+    given (full-vocabulary log-probs, not renormalised), ``log q_i`` this model's under the full
+    distribution (:class:`SelectedLogprobProcessor`), optionally clamped at ``clamp_min`` (verl
+    clamps at 0: a truncated sum can be negative), aggregated as :class:`PolicyLossProcessor`'s.
+
+    ``output_processor_context`` holds ``teacher_ids`` (integer ``[b, s, K]``, -1 padding) and
+    ``teacher_logprobs`` (float ``[b, s, K]``), aligned with the labels. Counted positions:
+    label not ``ignore_index``, times ``loss_mask``. Returns ``{"loss": scalar, "kl": [b, s]}``
+    (the per-token KL detached), or the tuple ``(loss, kl)`` with ``as_tuple=True``. Under
+    context parallelism the value is the whole sequences' on every CP rank, each rank's gradient
+    its own tokens' share.
+
+    Args:
+        aggregation: ``token-mean``, ``token-sum``, ``seq-mean-token-sum``,
+            ``seq-mean-token-mean``.
+        clamp_min: the per-token KL's lower clamp (None: none; verl: 0.0).
+        as_tuple: return the tuple instead of the dict.
+        temperature, ignore_index, chunk_size, backend: as :class:`FusedLogprobProcessor`'s.
+    """
+
+    def __init__(
+        self,
+        *,
+        aggregation: str = "token-mean",
+        clamp_min: Optional[float] = 0.0,
+        as_tuple: bool = False,
+        temperature: Union[float, torch.Tensor] = 1.0,
+        ignore_index: int = -100,
+        chunk_size: Optional[int] = None,
+        backend: str = "auto",
+    ) -> None:
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(
+                f"aggregation: expected one of {', '.join(map(repr, AGGREGATIONS))}, got {aggregation!r}")
+        if clamp_min is not None and (isinstance(clamp_min, bool) or not isinstance(clamp_min, (int, float))
+                                      or not math.isfinite(clamp_min)):
+            raise ValueError(f"clamp_min: expected a finite float or None, got {clamp_min!r}")
+        _check_flag("as_tuple", as_tuple)
+        super().__init__(temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
+                         backend=backend)
+        self.aggregation, self.clamp_min, self.as_tuple = aggregation, clamp_min, as_tuple
+
+    def selected_ids(self, ctx: PostprocessContext) -> torch.Tensor:
+        """``output_processor_context["teacher_ids"]``."""
+        return _context_tensor(ctx, "teacher_ids", "the teacher's top-k ids, [b, s, K]")
+
+    def process(self, ctx: PostprocessContext) -> Union[dict, tuple]:
+        r, k = self.selected(ctx)
+        b, s = k.bs
+        ids = _per_token_ids("output_processor_context['teacher_ids']", self.selected_ids(ctx), b, s)
+        teacher = _context_tensor(ctx, "teacher_logprobs", "the teacher's log-probs, [b, s, K]")
+        if not isinstance(teacher, torch.Tensor) or not teacher.dtype.is_floating_point \
+                or teacher.shape != (b, s, ids.shape[1]):
+            raise ValueError(
+                f"output_processor_context['teacher_logprobs']: expected a float [b, s, K] = "
+                f"({b}, {s}, {ids.shape[1]}) tensor like teacher_ids, got "
+                f"{tuple(getattr(teacher, 'shape', ())) or type(teacher).__name__}")
+        counted = self.counted(ctx, k)
+        seq, num_sequences = sequence_index(b, s, ctx.packed_seq_params, k.hidden.device, ctx.cp_size)
+        token_weight = aggregation_weights(counted, self.aggregation, sequence_ids=seq.t().reshape(-1),
+                                           num_sequences=num_sequences, group=_cp_group(ctx))
+        log_p = teacher.detach().float().transpose(0, 1).reshape(b * s, -1)
+        keep = (ids >= 0) & (counted != 0).unsqueeze(1)
+        log_p = torch.where(keep, log_p, 0.0)  # padding and positions that do not count: no term
+        kl = torch.where(keep, log_p.exp() * (log_p - r.selected), 0.0).sum(dim=1)
+        if self.clamp_min is not None:
+            kl = kl.clamp(min=self.clamp_min)
+        loss = _whole_value((token_weight * torch.where(counted != 0, kl, 0.0)).sum(), ctx)
+        kl_bs = self.to_bs(kl.detach(), k.bs)
+        return (loss, kl_bs) if self.as_tuple else {"loss": loss, "kl": kl_bs}
 
 
 def megatron_upstream_grad(config: Any, num_microbatches: int, *, loss_func_returns: int = 2) -> float:

@@ -1,0 +1,297 @@
+"""Log-probs that match the rollout, through the kernels' public entry points: a kept set replayed
+(``kept_ids``), a truncation recomputed (``truncation``), the log-probs of given ids
+(``selected_ids``), and the sampling-mask conversion; against float64 and against NeMo RL's and
+vLLM's own truncation formulas. The processors, under TP / SP / CP / packing / the plan, are in
+the configuration-space suite (``tests/configuration_space.py``).
+
+Tolerances: tests/tolerances.py's first-order bounds, with the kept set's distribution in the
+reference (logits outside it -inf): the bounds' sums over the vocabulary then over-count the
+kept set's ``K`` terms, which only loosens them by ``V / K`` in the summation terms.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from mcore_hooks import debug_checks
+from mcore_hooks.kernels import Truncation, linear_logprob_entropy, linear_policy_loss, PolicyLoss
+from mcore_hooks.rollout import sampling_mask_ids
+from tolerances import C, U32, grad_bounds, logit_grad_reference, logprob_error, ratio, unit_roundoff
+
+N, H, V, K = 24, 16, 50, 7
+
+
+def _data(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, H, generator=g).to(dtype)
+    w = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[3] = -100
+    # each row: the label and up to K - 1 other distinct ids, padded with -1 (some rows short)
+    ids = torch.full((N, K), -1, dtype=torch.long)
+    for i in range(N):
+        others = torch.randperm(V, generator=g)
+        others = others[others != labels[i]][: K - 1 - (i % 3)]
+        row = torch.cat([labels[i].clamp(min=0).view(1), others])
+        ids[i, : row.numel()] = row[torch.randperm(row.numel(), generator=g)]
+    return x, w, labels, ids
+
+
+def _keep(ids):
+    count = torch.zeros(ids.shape[0], V, dtype=torch.long)
+    count.scatter_add_(1, ids.clamp(min=0), (ids >= 0).long())  # padding adds 0 at column 0
+    return count > 0
+
+
+def _entropy_error(ref, x, w):
+    """|d H| <= 2 eps (1 + D + log V) (tests/tolerances.py's entropy bound)."""
+    eps = logprob_error(ref, x, w).squeeze(1)
+    finite = torch.isfinite(ref.logp)
+    lp = torch.where(finite, ref.logp, 0.0)
+    d = lp.amax(1) - torch.where(finite, ref.logp, math.inf).amin(1)
+    return C * (2 * eps * (1 + d + math.log(V)) + U32 * (ref.entropy.abs() + 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", ["scalar", "per-token"])
+def test_kept_set_log_probs_entropy_and_gradients_match_float64(dtype, temperature):
+    x, w, labels, ids = _data(dtype)
+    t = 0.7 if temperature == "scalar" else torch.linspace(0.5, 1.5, N)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    r = linear_logprob_entropy(xg, wg, labels, kept_ids=ids, temperature=t, logit_scale=1.3)
+    (r.logprob.sum() + 0.3 * r.entropy.sum()).backward()
+    ref = logit_grad_reference(x, w, labels, lambda lp, ent: lp + 0.3 * ent, temperature=t,
+                               scale=1.3, keep=_keep(ids))
+    valid = labels != -100
+    lp_ref = torch.where(valid, ref.logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    eps = C * logprob_error(ref, x, w).squeeze(1)
+    assert ratio(r.logprob, lp_ref, eps) <= 1
+    ent_ref = torch.where(valid, ref.entropy, 0.0)
+    assert ratio(r.entropy, ent_ref, _entropy_error(ref, x, w)) <= 1
+    b = grad_bounds(ref, x, w, dtype)
+    assert ratio(xg.grad, ref.dx, b.dx) <= 1
+    assert ratio(wg.grad, ref.dw, b.dw) <= 1
+    assert r.logprob[3] == 0 and r.entropy[3] == 0  # ignored: 0
+    # logz is the kept set's normaliser
+    logz_ref = torch.logsumexp(torch.where(_keep(ids), (x.double() @ w.double().t()) *
+                                           ref.coef[:, None], -math.inf), 1)
+    assert torch.allclose(r.logz[valid].double(), logz_ref[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_kept_set_never_reads_the_rest_of_the_vocabulary():
+    """Only the kept rows of the weight are read: the other rows may hold anything (NaN) and
+    get no gradient."""
+    x, w, labels, ids = _data(torch.float32)
+    poisoned = w.clone()
+    poisoned[~_keep(ids).any(0)] = math.nan
+    a = linear_logprob_entropy(x, w, labels, kept_ids=ids)
+    wg = poisoned.clone().requires_grad_()
+    b = linear_logprob_entropy(x, wg, labels, kept_ids=ids)
+    assert torch.equal(a.logprob, b.logprob) and torch.equal(a.entropy, b.entropy)
+    b.logprob.sum().backward()
+    assert torch.all(wg.grad[~_keep(ids).any(0)] == 0)
+
+
+def test_a_label_outside_its_kept_set_is_refused_in_debug_mode_and_nan_otherwise():
+    x, w, labels, ids = _data(torch.float32)
+    bad = ids.clone()
+    bad[5] = torch.where(bad[5] == labels[5], -1, bad[5])
+    with debug_checks(True), pytest.raises(ValueError, match="label of token 5 .* not in its kept set"):
+        linear_logprob_entropy(x, w, labels, kept_ids=bad)
+    with debug_checks(False):
+        r = linear_logprob_entropy(x, w, labels, kept_ids=bad)
+    assert torch.isnan(r.logprob[5]) and torch.isfinite(r.logprob[torch.arange(N) != 5]).all()
+    dup = ids.clone()
+    dup[0, -1] = dup[0, 0]
+    with debug_checks(True), pytest.raises(ValueError, match="repeated"):
+        linear_logprob_entropy(x, w, labels, kept_ids=dup)
+    with pytest.raises(ValueError, match=r"kept_ids: expected shape \(24, K\)"):
+        linear_logprob_entropy(x, w, labels, kept_ids=ids[:5])
+    with pytest.raises(TypeError, match="kept_ids: expected an integer tensor"):
+        linear_logprob_entropy(x, w, labels, kept_ids=ids.float())
+    with pytest.raises(ValueError, match="needs labels"):
+        linear_logprob_entropy(x, w, None, kept_ids=ids)
+
+
+# --------------------------------------------------------------------------- recomputed truncation
+
+
+def _nemo_rl_top_k_top_p(logits, top_k, top_p):
+    """NeMo RL's ``apply_top_k_top_p`` keep mask (nemo_rl/algorithms/logits_sampling_utils.py @
+    7ea279abf), written from its formulas: top-k keeps ``logits >= k-th value``; with top-p, sorted
+    ascending, the top-k-filtered softmax's cumulative sum ``> 1 - top_p`` is kept, the last
+    (largest) always."""
+    logits_sort, idx = logits.sort(dim=-1, descending=False)
+    kth = logits_sort[:, -top_k].unsqueeze(1)
+    top_k_keep = logits_sort >= kth
+    if top_p >= 1:
+        keep_sorted = top_k_keep
+    else:
+        probs = torch.where(top_k_keep, logits_sort, -math.inf).softmax(dim=-1)
+        top_p_keep = torch.cumsum(probs, dim=-1) > 1 - top_p
+        top_p_keep[:, -1] = True
+        keep_sorted = top_k_keep & top_p_keep
+    return torch.zeros_like(keep_sorted).scatter(1, idx, keep_sorted)
+
+
+def _vllm_reference(logits, top_k, top_p, min_p):
+    """vLLM's order (Model Runner V2 sampler): min-p on the temperature-scaled logits
+    (``l < max + log(min_p)`` -> -inf), then ``apply_top_k_top_p_pytorch`` (top-k masks values
+    strictly below the k-th; top-p drops ascending-sorted tokens whose cumulative probability is
+    ``<= 1 - p``, keeping the last). Returns the keep mask (finite after filtering)."""
+    l = logits.clone()
+    if min_p > 0:
+        l = l.masked_fill(l < l.amax(1, keepdim=True) + math.log(min_p), -math.inf)
+    s, idx = l.sort(dim=-1, descending=False)
+    kth = s.gather(1, torch.full((s.shape[0], 1), s.shape[1] - top_k))
+    s = s.masked_fill(s < kth, -math.inf)
+    if top_p < 1:
+        cum = torch.cumsum(s.softmax(dim=-1), dim=-1)
+        drop = cum <= 1 - top_p
+        drop[:, -1] = False
+        s = s.masked_fill(drop, -math.inf)
+    return torch.isfinite(torch.empty_like(l).scatter(1, idx, s))
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (10, 0.8, 0.0), (12, 0.9, 0.05), (50, 0.7, 0.0)])
+def test_recomputed_truncation_keeps_what_nemo_rl_and_vllm_keep(top_k, top_p, min_p):
+    """The kept set (plus the label) and the renormalised log-prob, entropy and gradients, against
+    the two projects' formulas applied to float64 logits."""
+    x, w, labels, _ = _data(torch.float32, seed=3)
+    t = torch.linspace(0.6, 1.2, N)
+    trunc = Truncation(top_k=top_k, top_p=top_p, min_p=min_p)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    r = linear_logprob_entropy(xg, wg, labels, truncation=trunc, temperature=t)
+    (r.logprob.sum() - 0.2 * r.entropy.sum()).backward()
+    logits = (x.double() @ w.double().t()) / t.double()[:, None]
+    vllm = _vllm_reference(logits, top_k, top_p, min_p)
+    if min_p == 0:
+        assert torch.equal(vllm, _nemo_rl_top_k_top_p(logits, top_k, top_p))  # the same rule
+    valid = labels != -100
+    keep = vllm.clone()
+    keep[valid, labels[valid]] = True  # the sampled token is in every sampler's kept set
+    ref = logit_grad_reference(x, w, labels, lambda lp, ent: lp - 0.2 * ent, temperature=t, keep=keep)
+    lp_ref = torch.where(valid, ref.logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    assert ratio(r.logprob, lp_ref, C * logprob_error(ref, x, w).squeeze(1)) <= 1
+    assert ratio(r.entropy, torch.where(valid, ref.entropy, 0.0), _entropy_error(ref, x, w)) <= 1
+    b = grad_bounds(ref, x, w, torch.float32)
+    assert ratio(xg.grad, ref.dx, b.dx) <= 1 and ratio(wg.grad, ref.dw, b.dw) <= 1
+
+
+def test_truncation_options_are_checked():
+    for bad in (dict(top_k=0), dict(top_k=True), dict(top_k=5, top_p=0.0), dict(top_k=5, top_p=1.5),
+                dict(top_k=5, min_p=-0.1), dict(top_k=5, min_p=math.nan)):
+        with pytest.raises(ValueError):
+            Truncation(**bad)
+    x, w, labels, ids = _data(torch.float32)
+    with pytest.raises(ValueError, match="not both"):
+        linear_logprob_entropy(x, w, labels, kept_ids=ids, truncation=Truncation(top_k=3))
+    with pytest.raises(TypeError, match="expected a Truncation"):
+        linear_logprob_entropy(x, w, labels, truncation={"top_k": 3})
+
+
+def test_policy_loss_over_a_kept_set_is_the_loss_of_the_renormalised_log_probs():
+    x, w, labels, ids = _data(torch.float32)
+    g = torch.Generator().manual_seed(5)
+    inputs = {"old_logprobs": -torch.rand(N, generator=g), "advantages": torch.randn(N, generator=g)}
+    tw = torch.rand(N, generator=g)
+    loss = PolicyLoss(clip_low=0.2, entropy_coef=0.01)
+    a_x, a_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    r = linear_policy_loss(a_x, a_w, labels, token_weight=tw, loss=loss, inputs=inputs, kept_ids=ids)
+    r.loss.backward()
+    b_x, b_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    e = linear_logprob_entropy(b_x, b_w, labels, kept_ids=ids)
+    valid = labels != -100
+    want = torch.where(valid, loss(e.logprob, e.entropy, **inputs) * tw, 0.0).sum()
+    want.backward()
+    assert torch.equal(r.loss, want) and torch.equal(r.logprob, e.logprob.detach())
+    assert torch.equal(a_x.grad, b_x.grad) and torch.equal(a_w.grad, b_w.grad)
+
+
+# --------------------------------------------------------------------------- selected ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selected_ids_log_probs_and_gradients_match_float64(dtype):
+    x, w, labels, _ = _data(dtype, seed=1)
+    g = torch.Generator().manual_seed(2)
+    sel = torch.randint(0, V, (N, 4), generator=g)
+    sel[0, 2] = -1
+    coeffs = torch.randn(N, 4, generator=g, dtype=torch.float64)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    r = linear_logprob_entropy(xg, wg, labels, selected_ids=sel, temperature=0.8)
+    (r.selected.double() * coeffs).sum().float().backward()
+    valid = labels != -100
+    # float64: each selected id's log-prob is a label problem of its own; the loss their sum
+    refs = [logit_grad_reference(x, w, torch.where(valid & (sel[:, k] >= 0), sel[:, k], -100),
+                                 lambda lp, ent, k=k: lp * coeffs[:, k], temperature=0.8)
+            for k in range(4)]
+    for k, ref in enumerate(refs):
+        want = torch.where(valid & (sel[:, k] >= 0), ref.logp.gather(1, sel[:, k].clamp(min=0)[:, None]).squeeze(1), 0.0)
+        assert ratio(r.selected[:, k], want, C * logprob_error(ref, x, w).squeeze(1)) <= 1
+    lp_ref = torch.where(valid, refs[0].logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    assert ratio(r.logprob, lp_ref, C * logprob_error(refs[0], x, w).squeeze(1)) <= 1
+    assert r.selected[0, 2] == 0 and torch.all(r.selected[3] == 0)
+    # the gradient: the sum of the four problems' bounds, plus the two partial gradients (the
+    # vocabulary pass's and the gather's) each rounded to the input dtype, then their sum again
+    dx = sum(ref.dx for ref in refs)
+    dw = sum(ref.dw for ref in refs)
+    bs = [grad_bounds(ref, x, w, dtype) for ref in refs]
+    u = unit_roundoff(dtype)
+    adz = sum(ref.dz.abs() for ref in refs)
+    extra_x = C * (2 * u + 4 * U32) * (adz @ w.double().abs())
+    extra_w = C * (2 * u + 4 * U32) * (adz.t() @ x.double().abs())
+    assert ratio(xg.grad, dx, sum(b.dx for b in bs) + extra_x) <= 1
+    assert ratio(wg.grad, dw, sum(b.dw for b in bs) + extra_w) <= 1
+
+
+def test_selected_ids_leave_the_labels_log_prob_and_entropy_as_the_plain_pass_gives_them():
+    x, w, labels, _ = _data(torch.float32)
+    sel = torch.randint(0, V, (N, 3))
+    plain = linear_logprob_entropy(x, w, labels)
+    r = linear_logprob_entropy(x, w, labels, selected_ids=sel)
+    assert torch.equal(r.entropy, plain.entropy) and torch.equal(r.logz, plain.logz)
+    assert torch.allclose(r.logprob, plain.logprob, rtol=0, atol=1e-5)
+    assert torch.equal(r.label_is_argmax, plain.label_is_argmax)
+
+
+# --------------------------------------------------------------------------- the masks' formats
+
+
+def test_sampling_masks_from_vllm_and_sglang_become_ascending_padded_rows():
+    vllm_nested = SimpleNamespace(token_ids=[[7, 3], [5], [1, 9, 4]])  # vllm.outputs.SamplingMask
+    vllm_csr = SimpleNamespace(token_ids=torch.tensor([3, 7, 5, 1, 4, 9], dtype=torch.int32),
+                               offsets=torch.tensor([0, 2, 3, 6]))  # vLLM main's CSR form
+    sglang = [[7, 3], [5], [9, 4, 1]]  # meta_info["output_token_sampling_mask"], by probability
+    want = torch.tensor([[3, 7, -1, -1], [5, -1, -1, -1], [1, 4, 9, -1]])
+    for m in (vllm_nested, vllm_csr, sglang):
+        assert torch.equal(sampling_mask_ids(m, width=4), want)
+    assert sampling_mask_ids(sglang).shape == (3, 3)
+    with pytest.raises(ValueError, match="repeats id 3"):
+        sampling_mask_ids([[3, 3]])
+    with pytest.raises(ValueError, match="at least the sampled one"):
+        sampling_mask_ids([[1], []])
+    with pytest.raises(ValueError, match="CSR offsets"):
+        sampling_mask_ids(SimpleNamespace(token_ids=[1, 2], offsets=[0, 3]))
+    with pytest.raises(ValueError, match="width"):
+        sampling_mask_ids(sglang, width=2)
+    with pytest.raises(TypeError, match="SamplingMask"):
+        sampling_mask_ids("3,7")
+
+
+def test_a_rollout_mask_replayed_gives_the_rollouts_processed_logprobs():
+    """End to end on the kernels: a sampler's kept set (vLLM order: temperature, top-k, top-p)
+    exported as a mask, turned into rows, replayed: the log-prob equals the sampler's
+    ``processed_logprobs`` (log_softmax over its filtered logits) to fp32 rounding."""
+    x, w, labels, _ = _data(torch.float32, seed=4)
+    logits = (x @ w.t()) / 0.9
+    keep = _vllm_reference(logits.double(), 8, 0.9, 0.0)
+    sampled = torch.multinomial(torch.where(keep, logits, -math.inf).softmax(1), 1, generator=torch.Generator().manual_seed(0)).squeeze(1)
+    processed = torch.where(keep, logits, -math.inf).log_softmax(1).gather(1, sampled[:, None]).squeeze(1)
+    mask = SimpleNamespace(token_ids=[row.nonzero().squeeze(1).tolist() for row in keep])
+    r = linear_logprob_entropy(x, w, sampled, kept_ids=sampling_mask_ids(mask), temperature=0.9)
+    assert torch.allclose(r.logprob, processed, rtol=0, atol=1e-5)
