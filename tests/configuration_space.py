@@ -30,7 +30,10 @@ import torch
 from ddp_like import ddp_like
 
 PROCESSORS = ("logprob", "entropy", "logprob-entropy", "ce-none", "ce-sum", "ce-mean",
-              "policy-token-mean", "policy-seq-mean-token-mean", "verl", "nemo-rl")
+              "policy-token-mean", "policy-seq-mean-token-mean", "verl", "nemo-rl",
+              # rollout parity: a sampling mask replayed (log-prob + entropy, the policy loss), a
+              # truncation recomputed, log-probs of given ids, top-k distillation
+              "kept-replay", "kept-top-k", "kept-policy", "selected", "distill")
 # option -> values; the first value is the plain one
 OPTIONS: dict[str, tuple] = {
     "processor": PROCESSORS,
@@ -50,8 +53,10 @@ OPTIONS: dict[str, tuple] = {
     "defer_wgrad": (False, True),
 }
 DECLARABLE = ("ce-sum", "ce-mean", "policy-token-mean", "policy-seq-mean-token-mean")
-TWO_OUTPUTS = ("logprob-entropy", "verl")  # two differentiable outputs: the loss may use one
+TWO_OUTPUTS = ("logprob-entropy", "verl", "kept-replay")  # two differentiable outputs: the loss may use one
+REDUCED = ("ce-sum", "ce-mean", "nemo-rl", "kept-policy", "distill")  # a loss, then per-token values
 B, S, H, V = 2, 8, 8, 32
+KEPT, TOP_K = 6, 4  # a kept set's ids a token (the label among them); a teacher's top-k
 LENGTHS, PADDED = (5, 7), (8, 8)  # packed: real and padded (a multiple of 2 cp * tp) lengths
 UPSTREAM = 0.5  # the gradient the reduced losses receive: loss * 0.5
 
@@ -193,6 +198,19 @@ def _data(c: Combo) -> dict:
     d["old"] = -torch.rand(b, s, generator=g) * 3
     d["adv"] = torch.randn(b, s, generator=g)
     d["w_out"] = torch.rand(b, s, generator=g)  # weights of per-token outputs in the test's loss
+    # a kept set per position holding both the given label and the derived one (the next id)
+    kept = torch.full((b, s, KEPT), -1, dtype=torch.long)
+    nxt = d["ids"].roll(-1, dims=1)
+    for i in range(b):
+        for j in range(s):
+            must = sorted({int(labels[i, j]), int(nxt[i, j])} - {-100})
+            rest = [int(v) for v in torch.randperm(V, generator=g) if int(v) not in must]
+            row = must + rest[: KEPT - len(must) - (j % 2)]  # some rows shorter (padding)
+            kept[i, j, : len(row)] = torch.tensor(row)
+    d["kept"] = kept
+    d["teacher_ids"] = torch.randint(0, V, (b, s, TOP_K), generator=g)
+    d["teacher_ids"][0, 0, -1] = -1  # padding
+    d["teacher_lp"] = torch.log_softmax(torch.randn(b, s, TOP_K, generator=g), -1) - 0.5
     return d
 
 
@@ -235,7 +253,9 @@ def _processor(c: Combo, d: dict):
         LogprobEntropyProcessor,
         PolicyLossProcessor,
     )
+    from mcore_hooks import SelectedLogprobProcessor, TopKDistillationProcessor, Truncation
     from mcore_hooks.integrations import NemoRLLogprobProcessor, VerlFusedProcessor
+    from mcore_hooks.kernels import PolicyLoss
 
     t = d["temps"] if c.temperature == "per-sample" else 0.8
     up = UPSTREAM if c.main_grad == "declared" else None
@@ -254,14 +274,27 @@ def _processor(c: Combo, d: dict):
                                    as_tuple=plan)
     if p == "verl":
         return VerlFusedProcessor(as_tuple=plan)  # the temperature comes in the context
+    if p == "kept-replay":
+        return LogprobEntropyProcessor(temperature=t, as_tuple=True, kept_set="replay")
+    if p == "kept-top-k":
+        return FusedLogprobProcessor(temperature=t, kept_set=Truncation(top_k=6, top_p=0.9, min_p=0.01))
+    if p == "kept-policy":
+        return PolicyLossProcessor(loss=PolicyLoss(entropy_coef=0.01), temperature=t, as_tuple=plan,
+                                   kept_set="replay")
+    if p == "selected":
+        return SelectedLogprobProcessor(temperature=t)
+    if p == "distill":
+        return TopKDistillationProcessor(temperature=t, as_tuple=plan)
     return NemoRLLogprobProcessor(temperature=t)
 
 
 def _outputs(c: Combo, out: Any) -> tuple:
     """What the processor returned as a tuple of tensors, in one order for both paths."""
     p = c.processor
-    if p.startswith("policy-") and isinstance(out, dict):
+    if (p.startswith("policy-") or p == "kept-policy") and isinstance(out, dict):
         return out["loss"], out["logprobs"], out["entropy"]
+    if p == "distill" and isinstance(out, dict):
+        return out["loss"], out["kl"]
     if p == "verl" and not isinstance(out, tuple):
         return out.log_probs, out.entropy
     return out if isinstance(out, tuple) else (out,)
@@ -273,15 +306,17 @@ def _loss(c: Combo, outs: tuple, w_out: torch.Tensor, mtp: Optional[torch.Tensor
     where the loss uses the first only), plus the MTP depths' loss."""
     p = c.processor
     second = c.uses == "all"
-    if p in ("ce-sum", "ce-mean") or p.startswith("policy-"):
+    if p in ("ce-sum", "ce-mean", "kept-policy", "distill") or p.startswith("policy-"):
         loss = outs[0] * UPSTREAM
-    elif p == "logprob-entropy":
+    elif p in ("logprob-entropy", "kept-replay"):
         loss = (outs[0] * w_out).sum() + (0.3 * (outs[1] * w_out).sum() if second else 0.0)
     elif p == "verl":
         w = w_out.reshape(-1)
         loss = (outs[0] * w).sum() + (0.3 * (outs[1] * w).sum() if second else 0.0)
     elif p == "nemo-rl":
         loss = (outs[0] * w_out[:, :-1]).sum()
+    elif p == "selected":
+        loss = (outs[0] * w_out.unsqueeze(-1) * torch.linspace(0.5, 1.0, TOP_K)).sum()
     else:
         loss = (outs[0] * w_out).sum()
     if mtp is None:
@@ -333,8 +368,15 @@ def run(c: Combo, tp_group: Any, tp_rank: int, cp_group: Any, cp_rank: int) -> d
         hook = ddp_like(weight)
     labels = d["ids"] if c.processor == "nemo-rl" else d["labels"]
     context: Any = None
-    if c.processor.startswith("policy-"):
+    if c.processor.startswith("policy-") or c.processor == "kept-policy":
         context = {"old_logprobs": d["old"][:, pos], "advantages": d["adv"][:, pos]}
+        if c.processor == "kept-policy":
+            context["sampling_mask"] = d["kept"][:, pos]
+    elif c.processor == "kept-replay":
+        context = {"sampling_mask": d["kept"][:, pos]}
+    elif c.processor in ("selected", "distill"):
+        context = {"teacher_ids": d["teacher_ids"][:, pos], "teacher_logprobs": d["teacher_lp"][:, pos],
+                   "selected_ids": d["teacher_ids"][:, pos]}
     elif c.processor == "verl":
         from mcore_hooks.integrations import FusedOutputProcessorContext
 
@@ -423,7 +465,8 @@ def check(c: Combo, got: dict, ref: dict) -> Optional[str]:
     if want is not None:
         return f"ran; expected a refusal matching {want!r}"
     pos = got["pos"]
-    per_token = not (c.processor in ("ce-sum", "ce-mean", "nemo-rl") or c.processor.startswith("policy-"))
+    reduced = c.processor in REDUCED or c.processor.startswith("policy-")
+    per_token = not reduced
     values, ref_values = got["values"], ref["values"]
     if c.mtp:  # the depths' loss summed over this rank's tokens: whole only without CP
         (mtp, *values), (mtp_ref, *ref_values) = values[-1:] + values[:-1], ref_values[-1:] + ref_values[:-1]
@@ -432,7 +475,7 @@ def check(c: Combo, got: dict, ref: dict) -> Optional[str]:
     for i, (a, r) in enumerate(zip(values, ref_values)):
         if c.processor == "verl":
             r = r.view(-1, len(ref["pos"]))[:, pos].reshape(-1)
-        elif per_token or (c.processor.startswith("policy-") and i > 0):
+        elif per_token or (reduced and c.processor != "nemo-rl" and i > 0):
             r = r[:, pos]
         if a.shape != r.shape or not torch.allclose(a, r, rtol=1e-5, atol=1e-6):
             return f"value {i} differs: {float((a - r).abs().max()) if a.shape == r.shape else (a.shape, r.shape)}"

@@ -295,3 +295,122 @@ def test_a_rollout_mask_replayed_gives_the_rollouts_processed_logprobs():
     mask = SimpleNamespace(token_ids=[row.nonzero().squeeze(1).tolist() for row in keep])
     r = linear_logprob_entropy(x, w, sampled, kept_ids=sampling_mask_ids(mask), temperature=0.9)
     assert torch.allclose(r.logprob, processed, rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- through a model's hook, against stock
+
+
+def _stock_and_hooked():
+    from mcore_hooks import hooked_class
+    from mcore_hooks.testing import TinyModelConfig, build_tiny_model, stock_model_class, tiny_batch
+
+    cfg = TinyModelConfig(tied=False)
+    stock = build_tiny_model(cfg)
+    model = build_tiny_model(cfg, model_cls=hooked_class(stock_model_class(cfg.model_class)))
+    batch = tiny_batch(cfg)
+    batch.pop("loss_mask", None)
+    return stock, model, batch
+
+
+def _grads(model, loss):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
+
+
+def _assert_grads_close(got, want):
+    for a, b in zip(got, want):
+        if b is None:
+            assert a is None or not a.any()
+            continue
+        # fp32 model: sums of O(vocab) terms in another order (1e-5 of the gradient's norm)
+        assert (a - b).norm() <= 1e-5 * b.norm() + 1e-7
+
+
+def _kept_rows(labels, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, s = labels.shape
+    kept = torch.full((b, s, 6), -1, dtype=torch.long)
+    for i in range(b):
+        for j in range(s):
+            rest = [int(v) for v in torch.randperm(vocab, generator=g) if int(v) != int(labels[i, j])]
+            kept[i, j, : 5] = torch.tensor([int(labels[i, j])] + rest[:4])
+    return kept
+
+
+@pytest.mark.usefixtures("mp1")
+@pytest.mark.parametrize("kept_set", ["replay", "top-k"])
+def test_processors_over_a_kept_set_match_the_stock_logits_masked(kept_set):
+    """LogprobEntropyProcessor and PolicyLossProcessor with a kept set, through the hook, against
+    the stock model's logits masked to the set (NeMo RL's and vLLM's renormalisation), values
+    and every parameter's gradient."""
+    from mcore_hooks import LogprobEntropyProcessor, PolicyLossProcessor
+
+    stock, model, batch = _stock_and_hooked()
+    labels = batch["labels"]
+    vocab = model.output_layer.weight.shape[0]
+    t = 0.8
+    logits = stock(**{k: v for k, v in batch.items() if k != "labels"}).float() / t
+    if kept_set == "replay":
+        rows = _kept_rows(labels, vocab)
+        keep = torch.zeros(logits.shape, dtype=torch.long).scatter_add_(
+            2, rows.clamp(min=0), (rows >= 0).long()) > 0  # the padding adds 0
+        option, context = "replay", {"sampling_mask": rows}
+    else:
+        keep = _vllm_reference(logits.detach().reshape(-1, vocab).double(), 5, 0.9, 0.0).view(logits.shape)
+        keep.scatter_(2, labels.unsqueeze(2), True)
+        option, context = Truncation(top_k=5, top_p=0.9), None
+    logp = torch.where(keep, logits, -math.inf).log_softmax(-1)
+    lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    safe = torch.where(keep, logp, 0.0)
+    ent = -(safe.exp() * safe).sum(-1)
+    g = torch.Generator().manual_seed(1)
+    w1, w2 = torch.rand(lp.shape, generator=g), torch.rand(lp.shape, generator=g)
+    want = _grads(stock, (lp * w1 + ent * w2).sum())
+    out = model(**batch, output_processor=LogprobEntropyProcessor(temperature=t, kept_set=option),
+                output_processor_context=context)
+    torch.testing.assert_close(out["logprobs"], lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["entropy"], ent.detach(), rtol=1e-5, atol=1e-5)
+    _assert_grads_close(_grads(model, (out["logprobs"] * w1 + out["entropy"] * w2).sum()), want)
+
+    old, adv = lp.detach() - 0.1 * torch.rand(lp.shape, generator=g), torch.randn(lp.shape, generator=g)
+    loss = PolicyLoss(entropy_coef=0.01)
+    stock_loss = loss(lp, ent, old_logprobs=old, advantages=adv).mean()  # token-mean, none masked
+    want = _grads(stock, stock_loss)
+    ctx = {"old_logprobs": old, "advantages": adv, **(context or {})}
+    out = model(**batch, output_processor=PolicyLossProcessor(loss=loss, temperature=t, kept_set=option),
+                output_processor_context=ctx)
+    torch.testing.assert_close(out["loss"], stock_loss.detach(), rtol=1e-5, atol=1e-6)
+    _assert_grads_close(_grads(model, out["loss"]), want)
+
+
+@pytest.mark.usefixtures("mp1")
+def test_selected_ids_and_top_k_distillation_match_verls_formula_on_stock_logits():
+    """verl's ``compute_forward_kl_topk`` (student log_softmax, gathered at the teacher's ids,
+    ``sum exp(t) (t - s)``, clamped at 0, token mean), written from its formula on the stock
+    model's logits, against :class:`TopKDistillationProcessor`; and the gathered log-probs against
+    :class:`SelectedLogprobProcessor`."""
+    from mcore_hooks import SelectedLogprobProcessor, TopKDistillationProcessor
+
+    stock, model, batch = _stock_and_hooked()
+    vocab = model.output_layer.weight.shape[0]
+    b, s = batch["labels"].shape
+    g = torch.Generator().manual_seed(3)
+    teacher_ids = torch.randint(0, vocab, (b, s, 4), generator=g)
+    teacher_lp = torch.log_softmax(torch.randn(b, s, 4, generator=g) * 2, -1) - 0.3
+    logits = stock(**{k: v for k, v in batch.items() if k != "labels"}).float()
+    student = torch.log_softmax(logits, -1).gather(-1, teacher_ids)
+    kl = (teacher_lp.exp() * (teacher_lp - student)).sum(-1).clamp_min(0.0)
+    stock_loss = kl.mean()
+    want = _grads(stock, stock_loss)
+    ctx = {"teacher_ids": teacher_ids, "teacher_logprobs": teacher_lp}
+    out = model(**batch, output_processor=TopKDistillationProcessor(), output_processor_context=ctx)
+    torch.testing.assert_close(out["loss"], stock_loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out["kl"], kl.detach(), rtol=1e-5, atol=1e-5)
+    _assert_grads_close(_grads(model, out["loss"]), want)
+
+    weights = torch.rand(b, s, 4, generator=g)
+    want = _grads(stock, (student * weights).sum())
+    sel = model(**batch, output_processor=SelectedLogprobProcessor(),
+                output_processor_context={"selected_ids": teacher_ids})
+    torch.testing.assert_close(sel, student.detach(), rtol=1e-5, atol=1e-5)
+    _assert_grads_close(_grads(model, (sel * weights).sum()), want)
