@@ -18,6 +18,9 @@ from mcore_hooks import (
     LinearCEProcessor,
     LogprobEntropyProcessor,
     PolicyLossProcessor,
+    SelectedLogprobProcessor,
+    TopKDistillationProcessor,
+    Truncation,
 )
 from mcore_hooks.integrations import NemoRLLogprobProcessor, VerlFusedProcessor
 from mcore_hooks.integrations.verl import FusedOutputProcessorContext
@@ -66,7 +69,22 @@ CASES = {
         aggregation="seq-mean-token-mean"), "policy-kl"),
     "verl": (lambda: VerlFusedProcessor(backend="torch"), "verl"),
     "nemo-rl": (lambda: NemoRLLogprobProcessor(temperature=0.7, backend="torch"), "nemo"),
+    "kept-set-replay": (lambda: LogprobEntropyProcessor(kept_set="replay", temperature=T_ROWS), "kept"),
+    "kept-set-truncation": (lambda: FusedLogprobProcessor(
+        kept_set=Truncation(top_k=6, top_p=0.9, min_p=0.02), temperature=0.8), None),
+    "kept-set-policy": (lambda: PolicyLossProcessor(kept_set="replay", backend="torch"), "policy-kept"),
+    "selected-ids": (lambda: SelectedLogprobProcessor(with_label=True, backend="torch"), "teacher"),
+    "top-k-distillation": (lambda: TopKDistillationProcessor(backend="torch"), "teacher"),
 }
+
+
+def _kept_rows(labels, g):
+    """A kept set per position: the label and 4 other distinct ids."""
+    rows = []
+    for y in labels.reshape(-1).tolist():
+        others = [v for v in torch.randperm(V, generator=g).tolist() if v != y][:4]
+        rows.append([y] + others)
+    return torch.tensor(rows).view(*labels.shape, 5)
 
 
 def _context(kind, g):
@@ -77,6 +95,10 @@ def _context(kind, g):
         return ctx
     if kind == "verl":
         return FusedOutputProcessorContext(temperature=0.9)
+    if kind == "teacher":
+        ids = torch.randint(0, V, (B, S, 4), generator=g)
+        return {"teacher_ids": ids, "selected_ids": ids,
+                "teacher_logprobs": torch.log_softmax(torch.randn(B, S, 4, generator=g), -1)}
     return None
 
 
@@ -87,6 +109,9 @@ def test_every_processor_compiles_whole(case):
     make, kind = CASES[case]
     layer, hidden, labels, mask = _data()
     context = _context(kind, torch.Generator().manual_seed(2))
+    if kind in ("kept", "policy-kept"):
+        context = {**(_context("policy", torch.Generator().manual_seed(2)) if kind == "policy-kept" else {}),
+                   "sampling_mask": _kept_rows(labels, torch.Generator().manual_seed(4))}
     extra = dict(input_ids=labels) if kind == "nemo" else dict(loss_mask=mask)
 
     # what the model hands the hook, and the processor, are made outside the compiled step
@@ -153,7 +178,15 @@ def _op_samples():
     m, log_s, entropy = stats[4], stats[5], stats[1]
     backward = (x.detach(), w.detach(), labels, valid, coef, 0, None, False, 4, "torch", m, log_s,
                 entropy, torch.randn(n), torch.randn(n), True, True)
+    ids = torch.randint(-1, v, (n, 3))
+    cand = (x, w, ids, coef, 0, None, False, 4)
+    cand_backward = (x.detach(), w.detach(), ids, coef, 0, None, False, 4, torch.randn(n, 3), True, True)
     return {
+        "candidate_logits": (ops.candidate_logits, cand + (None, False)),
+        "candidate_logits-accumulator": (ops.candidate_logits, cand + (acc, True)),
+        "candidate_logits_backward": (ops.candidate_logits_backward, cand_backward + (None,)),
+        "candidate_logits_backward-accumulator": (ops.candidate_logits_backward, cand_backward + (acc.clone(),)),
+        "top_k_ids": (ops.top_k_ids, (x.detach(), w.detach(), coef, 0, None, False, 4, 3)),
         "logsoftmax_stats": (ops.logsoftmax_stats, common + (None, False)),
         "logsoftmax_stats-accumulator": (ops.logsoftmax_stats, common + (acc, True)),
         "logsoftmax_stats_backward": (ops.logsoftmax_stats_backward, backward + (None,)),
