@@ -182,11 +182,14 @@ def _op_samples():
     cand = (x, w, ids, coef, 0, None, False, 4)
     cand_backward = (x.detach(), w.detach(), ids, coef, 0, None, False, 4, torch.randn(n, 3), True, True)
     return {
-        "candidate_logits": (ops.candidate_logits, cand + (None, False)),
-        "candidate_logits-accumulator": (ops.candidate_logits, cand + (acc, True)),
-        "candidate_logits_backward": (ops.candidate_logits_backward, cand_backward + (None,)),
-        "candidate_logits_backward-accumulator": (ops.candidate_logits_backward, cand_backward + (acc.clone(),)),
-        "top_k_ids": (ops.top_k_ids, (x.detach(), w.detach(), coef, 0, None, False, 4, 3)),
+        "candidate_logits": (ops.candidate_logits, cand + (None, False, False)),
+        "candidate_logits-accumulator-invariant": (ops.candidate_logits, cand + (acc, True, True)),
+        "candidate_logits_backward": (ops.candidate_logits_backward, cand_backward + (None, False)),
+        "candidate_logits_backward-accumulator": (ops.candidate_logits_backward,
+                                                  cand_backward + (acc.clone(), False)),
+        "top_k_ids": (ops.top_k_ids, (x.detach(), w.detach(), coef, 0, None, False, 4, 3, False)),
+        "top_k_ids-invariant": (ops.top_k_ids, (x.detach(), w.detach(), coef, 0, None, False, 4, 3, True)),
+        "logsoftmax_stats-invariant": (ops.logsoftmax_stats, common[:-1] + ("torch+invariant", None, False)),
         "logsoftmax_stats": (ops.logsoftmax_stats, common + (None, False)),
         "logsoftmax_stats-accumulator": (ops.logsoftmax_stats, common + (acc, True)),
         "logsoftmax_stats_backward": (ops.logsoftmax_stats_backward, backward + (None,)),

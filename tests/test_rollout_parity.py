@@ -414,3 +414,31 @@ def test_selected_ids_and_top_k_distillation_match_verls_formula_on_stock_logits
                 output_processor_context={"selected_ids": teacher_ids})
     torch.testing.assert_close(sel, student.detach(), rtol=1e-5, atol=1e-5)
     _assert_grads_close(_grads(model, (sel * weights).sum()), want)
+
+
+# --------------------------------------------------------------------------- the rollout's head precision
+
+
+def test_rollout_heads_fp32_matches_to_rounding_and_bf16_does_not():
+    """docs/rollout.md's statement, measured: with bf16 hidden states and weight, the fused
+    log-probs and a float32 LM head (vLLM's ``head_dtype=float32``, SGLang's fp32 LM head: both
+    operands cast to float32, one float32 product) are both within the float32 rounding bound of
+    the float64 value, so within twice it of each other; a bf16 LM head (logits rounded to bf16,
+    the engines' default) is off by orders of magnitude more."""
+    g = torch.Generator().manual_seed(11)
+    n, h, v = 64, 64, 512
+    x = torch.randn(n, h, generator=g).bfloat16()
+    w = (torch.randn(v, h, generator=g) * 0.6).bfloat16()  # logits of a few units, as a model's
+    labels = torch.randint(0, v, (n,), generator=g)
+    ours = linear_logprob_entropy(x, w, labels, backend="torch").logprob.double()
+    fp32_head = torch.log_softmax(x.float() @ w.float().t(), -1).gather(1, labels[:, None]).squeeze(1).double()
+    bf16_head = torch.log_softmax((x @ w.t()).float(), -1).gather(1, labels[:, None]).squeeze(1).double()
+    ref = logit_grad_reference(x, w, labels, lambda lp, ent: lp)
+    exact = ref.logp.gather(1, labels[:, None]).squeeze(1)
+    bound = C * logprob_error(ref, x, w).squeeze(1)
+    assert ratio(ours, exact, bound) <= 1
+    assert ratio(fp32_head, exact, bound) <= 1
+    assert ratio(ours, fp32_head, 2 * bound) <= 1
+    # a bf16 logit l is off by up to 2**-9 |l|: far outside the float32 bound
+    assert (bf16_head - exact).abs().max() > 100 * (ours - exact).abs().max()
+    assert (bf16_head - exact).abs().max() > 10 * bound.max()

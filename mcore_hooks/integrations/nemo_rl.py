@@ -80,8 +80,9 @@ class NemoRLLogprobProcessor(_FusedProcessor):
         chunk_size: Optional[int] = None,
         ignore_index: int = -100,
         backend: str = "auto",
+        batch_invariant: bool = False,
     ) -> None:
-        self._set_options(temperature, ignore_index, chunk_size, backend)
+        self._set_options(temperature, ignore_index, chunk_size, backend, batch_invariant)
 
     def mtp_loss(self, depth: MTPDepth) -> MTPLoss:
         """The fused MTP loss where the model got no ``labels`` (Megatron 0.19+ derives each

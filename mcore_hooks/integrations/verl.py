@@ -96,11 +96,12 @@ class VerlFusedProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
+        batch_invariant: bool = False,
     ) -> None:
         _check_flag("calculate_entropy", calculate_entropy)
         _check_flag("as_tuple", as_tuple)
         _check_flag("mtp_detach_weight", mtp_detach_weight)
-        self._set_options(1.0, ignore_index, chunk_size, backend)  # the temperature comes per call
+        self._set_options(1.0, ignore_index, chunk_size, backend, batch_invariant)  # the temperature comes per call
         self.mtp_detach_weight = mtp_detach_weight
         self.calculate_entropy = calculate_entropy
         self.as_tuple = as_tuple

@@ -24,6 +24,7 @@ from . import ops
 from . import candidates as cand
 from .autograd import Backend, GlobalStats, TokenLoss, group_rank_size, label_is_row_max
 from .candidates import Truncation
+from .invariant import BLOCK
 from .losses import PerTokenLoss, PolicyLoss, PolicyLossResult, WeightedNLL, aggregation_weights, per_token_loss
 from .options import KernelParams, VocabParallel
 from .torch_chunked import TorchChunked
@@ -90,6 +91,7 @@ def linear_logprob_entropy(
     kept_ids: Optional[torch.Tensor] = None,
     truncation: Optional[Truncation] = None,
     selected_ids: Optional[torch.Tensor] = None,
+    batch_invariant: bool = False,
 ) -> LogprobEntropy:
     """Per-token log-prob of ``labels`` and entropy, float32 ``[N]``, differentiable.
 
@@ -127,6 +129,12 @@ def linear_logprob_entropy(
         selected_ids: ``[N, K]`` integer global ids per token (a teacher's top-k): their
             log-probabilities under the full distribution come back in ``selected``,
             differentiable (0 at -1 padding and ignored positions).
+        batch_invariant: run every pass on fixed-shape blocks of 2048 tokens
+            (:mod:`.invariant`): each token's results and its row of the hidden states' gradient
+            are then bitwise independent of the other tokens in the call, of their number and of
+            the chunking; the blocks' weight gradients go into one float32 buffer in order
+            (``main_grad``: block-aligned micro-batches add the same bits as the whole call).
+            ``benchmarks/RESULTS.md`` has the cost.
 
     Returns:
         :class:`LogprobEntropy`: float32 ``[N]`` log-probs (None without labels) and entropies,
@@ -140,7 +148,7 @@ def linear_logprob_entropy(
     """
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
                  chunk_size, backend, accumulator=weight_grad_accumulator,
-                 dummy_weight_grad=placeholder_weight_grad)
+                 dummy_weight_grad=placeholder_weight_grad, batch_invariant=batch_invariant)
     if kept_ids is not None or truncation is not None:
         if labels is None or kept_ids is not None and truncation is not None or selected_ids is not None:
             raise ValueError(
@@ -187,7 +195,8 @@ def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams, t: T
     """The kept ids ``[N, top_k + 1]`` of a truncation of these logits, the label added where
     the truncation dropped it (no gradient: a selection)."""
     values, ids = ops.top_k_ids(hidden.detach(), weight.detach(), p.coef, p.vocab_start,
-                                ops.group_name(p.group), p.sequence_parallel, p.chunk_size, t.top_k)
+                                ops.group_name(p.group), p.sequence_parallel, p.chunk_size, t.top_k,
+                                ops.invariant(p.backend))
     return cand.with_labels(cand.truncate(values, ids, t), p.labels, p.valid)
 
 
@@ -229,6 +238,7 @@ def linear_cross_entropy(
     weight_grad_accumulator: Optional[torch.Tensor] = None,
     placeholder_weight_grad: bool = False,
     upstream_grad: Optional[float] = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Reduced cross-entropy ``sum_i token_weight_i * -log p_i(labels_i)``, a float32 scalar.
 
@@ -265,6 +275,12 @@ def linear_cross_entropy(
             there, so the forward must be followed by exactly one backward. The backward
             checks the gradient it receives on the device: a different one stops the process
             with a device-side assertion (on the CPU, a RuntimeError), never a wrong gradient.
+        batch_invariant: run every pass on fixed-shape blocks of 2048 tokens
+            (:mod:`.invariant`): each token's results and its row of the hidden states' gradient
+            are then bitwise independent of the other tokens in the call, of their number and of
+            the chunking; the blocks' weight gradients go into one float32 buffer in order
+            (``main_grad``: block-aligned micro-batches add the same bits as the whole call).
+            ``benchmarks/RESULTS.md`` has the cost.
 
     Returns:
         The float32 scalar loss.
@@ -277,7 +293,8 @@ def linear_cross_entropy(
         raise ValueError("labels: linear_cross_entropy needs labels")
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
                  chunk_size, backend, fused=True, accumulator=weight_grad_accumulator,
-                 dummy_weight_grad=placeholder_weight_grad, upstream_grad=upstream_grad)
+                 dummy_weight_grad=placeholder_weight_grad, upstream_grad=upstream_grad,
+                 batch_invariant=batch_invariant)
     tw = _token_vector("token_weight", token_weight, p.n, hidden.device, default=1.0)
     return _fused(hidden, weight, p, tw, None, {})[0]
 
@@ -301,6 +318,7 @@ def linear_policy_loss(
     upstream_grad: Optional[float] = None,
     kept_ids: Optional[torch.Tensor] = None,
     truncation: Optional[Truncation] = None,
+    batch_invariant: bool = False,
 ) -> PolicyLossResult:
     """A policy loss ``sum_i token_weight_i * f(logprob_i, entropy_i, inputs_i)``, fused with the
     output layer, with its gradients formed in the forward.
@@ -342,6 +360,12 @@ def linear_policy_loss(
             log-probs and entropies renormalised over each token's kept set. Only the kept
             logits are made (with ``kept_ids``, no pass over the vocabulary), so the terms are
             differentiated by autograd through them and the gradients formed in the backward.
+        batch_invariant: run every pass on fixed-shape blocks of 2048 tokens
+            (:mod:`.invariant`): each token's results and its row of the hidden states' gradient
+            are then bitwise independent of the other tokens in the call, of their number and of
+            the chunking; the blocks' weight gradients go into one float32 buffer in order
+            (``main_grad``: block-aligned micro-batches add the same bits as the whole call).
+            ``benchmarks/RESULTS.md`` has the cost.
 
     Returns:
         :class:`PolicyLossResult`: the float32 scalar loss, and detached float32 ``[N]``
@@ -356,7 +380,8 @@ def linear_policy_loss(
         raise ValueError("labels: linear_policy_loss needs the sampled tokens as labels")
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
                  chunk_size, backend, fused=True, accumulator=weight_grad_accumulator,
-                 dummy_weight_grad=placeholder_weight_grad, upstream_grad=upstream_grad)
+                 dummy_weight_grad=placeholder_weight_grad, upstream_grad=upstream_grad,
+                 batch_invariant=batch_invariant)
     tw = _token_vector("token_weight", token_weight, p.n, hidden.device)
     if check_values(tw) and not bool(torch.isfinite(tw).all()):
         raise ValueError("token_weight: every value must be finite")
@@ -368,7 +393,8 @@ def linear_policy_loss(
             hidden, weight, labels, temperature=temperature, logit_scale=logit_scale,
             ignore_index=ignore_index, parallel=parallel, chunk_size=chunk_size, backend=backend,
             weight_grad_accumulator=weight_grad_accumulator,
-            placeholder_weight_grad=placeholder_weight_grad, kept_ids=kept_ids, truncation=truncation)
+            placeholder_weight_grad=placeholder_weight_grad, kept_ids=kept_ids, truncation=truncation,
+            batch_invariant=batch_invariant)
         ent = r.entropy if fn.needs_entropy else None
         terms = fn.bind(tw, tensors, p.valid).terms(slice(0, p.n), r.logprob, ent)
         total = torch.where(p.valid, terms, 0.0).sum()
@@ -426,7 +452,8 @@ def _token_vector(name: str, t: Any, n: int, device: torch.device,
 
 def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel, chunk_size,
              backend, fused: bool = False, accumulator: Optional[torch.Tensor] = None,
-             dummy_weight_grad: bool = False, upstream_grad: Optional[float] = None) -> KernelParams:
+             dummy_weight_grad: bool = False, upstream_grad: Optional[float] = None,
+             batch_invariant: bool = False) -> KernelParams:
     """Check the arguments (errors name the argument) and put them in the kernels' form."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -458,10 +485,14 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
         )
     if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale) and logit_scale > 0):
         raise ValueError(f"logit_scale: expected a positive finite float, got {logit_scale!r}")
+    if not isinstance(batch_invariant, bool):
+        raise TypeError(f"batch_invariant: expected True or False, got {batch_invariant!r}")
     backend_impl = _select_backend(backend, hidden)
     if chunk_size is None:
+        # batch invariance: sized for one fixed block, whatever the number of tokens
         chunk_size = (
-            _fused_chunk_size(_backend_class(backend_impl), n, weight.shape[0], hidden.element_size(),
+            _fused_chunk_size(_backend_class(backend_impl), BLOCK if batch_invariant else n,
+                              weight.shape[0], hidden.element_size(),
                               into_accumulator=accumulator is not None and upstream_grad is not None)
             if fused else default_chunk_size(weight.shape[0])
         )
@@ -508,6 +539,8 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
             )
         upstream_grad = float(upstream_grad)
     group = parallel.group if tp > 1 else None
+    if batch_invariant:
+        backend_impl += "+invariant"
     return KernelParams(gl, valid, coef, int(parallel.vocab_start), group, sp, chunk_size, backend_impl,
                         accumulator, dummy_weight_grad, upstream_grad)
 

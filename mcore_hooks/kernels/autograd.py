@@ -206,12 +206,13 @@ class Backend:
 
     def fused_loss(
         self, x: torch.Tensor, weight: torch.Tensor, p: KernelParams, local_label: torch.Tensor,
-        token_loss: TokenLoss, need_x: bool, need_w: bool,
+        token_loss: TokenLoss, need_x: bool, need_w: bool, dw_sum: Optional[torch.Tensor] = None,
     ) -> FusedLoss:
         """``sum_i f_i`` of a :class:`TokenLoss` and its gradients, in token chunks: each half
         chunk's fp32 logits are made (cuBLAS), reduced to statistics (combined over the TP
         group), turned into the loss terms and their logit gradient; then dX and dW take the
-        chunk's gradient (3 matmuls in all, 6NHV)."""
+        chunk's gradient (3 matmuls in all, 6NHV). ``dw_sum``: a float32 buffer dW is added
+        into (and returned) instead of a new one."""
         n, v_local = x.shape[0], weight.shape[0]
         f32 = dict(dtype=torch.float32, device=x.device)
         with_entropy = bool(token_loss.needs_entropy)
@@ -222,7 +223,8 @@ class Backend:
         into = p.weight_grad_accumulator if p.upstream_grad is not None else None
         if into is not None and need_w:
             check_not_recomputed()  # before anything is added
-        dw = torch.empty(weight.shape, **f32) if need_w and into is None else None
+        dw = (dw_sum if dw_sum is not None else torch.empty(weight.shape, **f32)) \
+            if need_w and into is None else None
         need_grad = need_x or need_w
         # dz holds `chunk_size` tokens (the K of each dW product: fewer passes over the fp32
         # accumulator); their fp32 logits are made half a chunk at a time.
@@ -260,7 +262,7 @@ class Backend:
             if need_w and into is not None:
                 addmm_f32_(into, dzc.t(), xc, alpha=p.upstream_grad)
             elif need_w:
-                if start == 0:
+                if start == 0 and dw_sum is None:
                     mm_f32(dzc.t(), xc, out=dw)
                 else:
                     addmm_f32_(dw, dzc.t(), xc)

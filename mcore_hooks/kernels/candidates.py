@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .debug import check_values
-from .matmul import bmm_f32
+from .matmul import addmm_f32_, bmm_f32
 
 # Elements of one chunk's gathered rows as float32 products ([chunk, K, H]; 256 MiB).
 _GATHER_ELEMENTS = 1 << 26
@@ -40,28 +40,46 @@ def owned_rows(ids: torch.Tensor, vocab_start: int, v_local: int) -> tuple[torch
     return owned, torch.where(owned, local, 0)
 
 
+def _chunk(t: torch.Tensor, start: int, end: int, rows: int, fixed: bool, fill) -> torch.Tensor:
+    """Rows ``[start, end)`` of ``t``; with ``fixed``, padded with ``fill`` to ``rows`` (every
+    product then has one shape: batch invariance)."""
+    part = t[start:end]
+    if not fixed or end - start == rows:
+        return part
+    out = part.new_full((rows,) + tuple(t.shape[1:]), fill)
+    out[: end - start] = part
+    return out
+
+
 def candidate_logits(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, ids: torch.Tensor,
-                     vocab_start: int, chunk_size: int) -> torch.Tensor:
-    """Float32 ``[N, K]`` logits ``coef * x . W[id]`` of the ids this rank owns, 0 elsewhere."""
+                     vocab_start: int, chunk_size: int, fixed: bool = False) -> torch.Tensor:
+    """Float32 ``[N, K]`` logits ``coef * x . W[id]`` of the ids this rank owns, 0 elsewhere.
+    ``fixed``: the last chunk padded to ``chunk_size`` tokens (batch invariance)."""
     n, k = ids.shape
     owned, rows = owned_rows(ids, vocab_start, weight.shape[0])
     out = torch.empty((n, k), dtype=torch.float32, device=x.device)
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
-        z = bmm_f32(weight[rows[start:end]], x[start:end].unsqueeze(2)).squeeze(2)
-        out[start:end] = torch.where(owned[start:end], z.mul_(coef[start:end].unsqueeze(1)), 0.0)
+        r = _chunk(rows, start, end, chunk_size, fixed, 0)
+        z = bmm_f32(weight[r], _chunk(x, start, end, chunk_size, fixed, 0).unsqueeze(2)).squeeze(2)
+        z = z[: end - start].mul_(coef[start:end].unsqueeze(1))
+        out[start:end] = torch.where(owned[start:end], z, 0.0)
     return out
 
 
 def candidate_grads(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, ids: torch.Tensor,
                     vocab_start: int, d_logits: torch.Tensor, chunk_size: int, need_x: bool,
-                    need_w: bool, dw_accumulator: Optional[torch.Tensor] = None,
+                    need_w: bool, dw_accumulator: Optional[torch.Tensor] = None, fixed: bool = False,
                     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """dX (float32, this rank's ids' share; the ops reduce it over the group) and dW (input
     dtype; or None with ``dw_accumulator``, a float32 tensor it is added into) of
-    ``sum d_logits * logits``."""
+    ``sum d_logits * logits``. ``fixed`` (batch invariance): chunks padded to one shape, and on
+    a GPU dW formed by a dense product per chunk (a scatter into ``[chunk, V_local]``, then
+    cuBLAS: ``2 chunk V H`` flops) instead of ``index_add_``, whose atomic adds make the order
+    of a row's terms vary between runs."""
     n, h = x.shape
-    owned, rows = owned_rows(ids, vocab_start, weight.shape[0])
+    v_local = weight.shape[0]
+    owned, rows = owned_rows(ids, vocab_start, v_local)
     # coef * dL/dl, rounded to the input dtype as the stock output layer's logit gradient is
     dz = torch.where(owned, d_logits * coef.unsqueeze(1), 0.0).to(x.dtype)
     dx = torch.empty((n, h), dtype=torch.float32, device=x.device) if need_x else None
@@ -69,14 +87,20 @@ def candidate_grads(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, i
     if need_w:
         dw = dw_accumulator if dw_accumulator is not None else torch.zeros(
             weight.shape, dtype=torch.float32, device=x.device)
+    dense = fixed and x.is_cuda
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
-        dzc, r = dz[start:end], rows[start:end]
+        dzc, r = _chunk(dz, start, end, chunk_size, fixed, 0), _chunk(rows, start, end, chunk_size, fixed, 0)
+        xc = _chunk(x, start, end, chunk_size, fixed, 0)
         if need_x:
-            dx[start:end] = bmm_f32(dzc.unsqueeze(1), weight[r]).squeeze(1)
-        if need_w:
+            dx[start:end] = bmm_f32(dzc.unsqueeze(1), weight[r]).squeeze(1)[: end - start]
+        if need_w and dense:
+            # the not-owned entries add an exact 0 at column 0: the sum is the same in any order
+            full = torch.zeros((dzc.shape[0], v_local), dtype=x.dtype, device=x.device)
+            addmm_f32_(dw, full.scatter_add_(1, r, dzc).t(), xc)
+        elif need_w:
             # not-owned entries add an exact 0 into row 0
-            outer = dzc.float().unsqueeze(2) * x[start:end].float().unsqueeze(1)
+            outer = dzc.float().unsqueeze(2) * xc.float().unsqueeze(1)
             dw.index_add_(0, r.reshape(-1), outer.reshape(-1, h))
     if dw is not None and dw_accumulator is None:
         dw = dw.to(weight.dtype)

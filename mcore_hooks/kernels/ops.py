@@ -31,6 +31,7 @@ from . import autograd as ag
 from . import candidates as cand
 from .losses import PolicyLoss, WeightedNLL, per_token_loss
 from .options import KernelParams
+from .invariant import BLOCK, InvariantBlocks, blocks, padded
 from .torch_chunked import TorchChunked
 
 _F32 = torch.float32
@@ -48,11 +49,20 @@ def _group(name: Optional[str]):
 
 
 def _backend(name: str, device: torch.device) -> ag.Backend:
-    if name == "torch":
-        return TorchChunked()
-    from . import triton_fused  # lazily: it imports Triton, slow and optional
+    """The backend a name says: ``"torch"`` or ``"triton"``, with ``"+invariant"`` run on
+    fixed-shape token blocks (:mod:`.invariant`)."""
+    base, _, mode = name.partition("+")
+    if base == "torch":
+        backend: ag.Backend = TorchChunked()
+    else:
+        from . import triton_fused  # lazily: it imports Triton, slow and optional
 
-    return triton_fused.TritonFused(triton_fused.device_tiles(device))
+        backend = triton_fused.TritonFused(triton_fused.device_tiles(device))
+    return InvariantBlocks(backend) if mode == "invariant" else backend
+
+
+def invariant(backend: str) -> bool:
+    return backend.endswith("+invariant")
 
 
 def _params(labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
@@ -184,21 +194,21 @@ def stats(hidden: Tensor, weight: Tensor, p: KernelParams) -> tuple[Tensor, Tens
 def candidate_logits(
     hidden: Tensor, weight: Tensor, ids: Tensor, coef: Tensor, vocab_start: int,
     group: Optional[str], sequence_parallel: bool, chunk_size: int, accumulator: Optional[Tensor],
-    placeholder: bool,
+    placeholder: bool, invariant: bool,
 ) -> tuple[Tensor, Tensor]:
     """``(logits, gathered hidden)``: float32 ``[N, K]`` logits of ``ids`` (global, -1 padding:
     0 there), the same on every rank of the group; the gathered hidden states (sequence
     parallelism, else empty) are for the backward, as ``accumulator`` and ``placeholder``."""
     pg = _group(group)
     x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
-    logits = cand.candidate_logits(x, weight, coef, ids, vocab_start, chunk_size)
+    logits = cand.candidate_logits(x, weight, coef, ids, vocab_start, chunk_size, invariant)
     ag.all_reduce(logits, torch.distributed.ReduceOp.SUM, pg)  # each id owned by one rank: exact
     return logits, (x if sequence_parallel else _nothing(hidden))
 
 
 @candidate_logits.register_fake
 def _(hidden, weight, ids, coef, vocab_start, group, sequence_parallel, chunk_size, accumulator,
-      placeholder):
+      placeholder, invariant):
     x = hidden.new_empty((ids.shape[0], hidden.shape[1])) if sequence_parallel else _nothing(hidden)
     return hidden.new_empty(ids.shape, dtype=_F32), x
 
@@ -207,13 +217,13 @@ def _(hidden, weight, ids, coef, vocab_start, group, sequence_parallel, chunk_si
 def candidate_logits_backward(
     x: Tensor, weight: Tensor, ids: Tensor, coef: Tensor, vocab_start: int, group: Optional[str],
     sequence_parallel: bool, chunk_size: int, d_logits: Tensor, need_x: bool, need_w: bool,
-    accumulator: Optional[Tensor],
+    accumulator: Optional[Tensor], invariant: bool,
 ) -> tuple[Tensor, Tensor]:
     """``(dX, dW)`` of ``sum d_logits * logits`` (dX in the input dtype, reduced over the group,
     this rank's shard under sequence parallelism); empty where not asked for, or dW where it
     went into ``accumulator``."""
     dx, dw = cand.candidate_grads(x, weight, coef, ids, vocab_start, d_logits, chunk_size, need_x,
-                                  need_w, accumulator if need_w else None)
+                                  need_w, accumulator if need_w else None, invariant)
     if dx is not None:
         dx = ag.reduce_hidden_grad(dx.to(x.dtype), _group(group), sequence_parallel)
     return (_nothing(x) if dx is None else dx), (_nothing(weight) if dw is None else dw)
@@ -221,7 +231,7 @@ def candidate_logits_backward(
 
 @candidate_logits_backward.register_fake
 def _(x, weight, ids, coef, vocab_start, group, sequence_parallel, chunk_size, d_logits, need_x,
-      need_w, accumulator):
+      need_w, accumulator, invariant):
     rows = x.shape[0] // _fake_group_size(group) if sequence_parallel else x.shape[0]
     dx = x.new_empty((rows, x.shape[1])) if need_x else _nothing(x)
     dw = weight.new_empty(weight.shape) if need_w and accumulator is None else _nothing(weight)
@@ -229,30 +239,32 @@ def _(x, weight, ids, coef, vocab_start, group, sequence_parallel, chunk_size, d
 
 
 def _candidate_setup(ctx, inputs, output):
-    (hidden, weight, ids, coef, vocab_start, group, sp, chunk_size, accumulator, placeholder) = inputs
+    (hidden, weight, ids, coef, vocab_start, group, sp, chunk_size, accumulator, placeholder,
+     invariant_) = inputs
     _, gathered = output
     ctx.mark_non_differentiable(gathered)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(gathered if sp else hidden, weight, ids, coef)
     ctx.args = (vocab_start, group, sp, chunk_size)
     ctx.accumulator = accumulator  # not saved: written by other backwards by design (as above)
+    ctx.invariant = invariant_
     ctx.hidden_shape, ctx.placeholder = hidden.shape, placeholder
 
 
 def _candidate_backward(ctx, d_logits, _):
     if d_logits is None:
-        return (None,) * 10
+        return (None,) * 11
     x, weight, ids, coef = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     acc = ctx.accumulator if need_w else None
     dx, dw = candidate_logits_backward(x, weight, ids, coef, *ctx.args, d_logits.float(), need_x,
-                                       need_w, acc)
+                                       need_w, acc, ctx.invariant)
     dx = dx.view(ctx.hidden_shape) if need_x else None
     if acc is not None:
         dw = ag.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None
     elif not need_w:
         dw = None
-    return (dx, dw) + (None,) * 8
+    return (dx, dw) + (None,) * 9
 
 
 candidate_logits.register_autograd(_candidate_backward, setup_context=_candidate_setup)
@@ -264,13 +276,13 @@ def logits_of(hidden: Tensor, weight: Tensor, ids: Tensor, p: KernelParams) -> T
     chunk = cand.gather_chunk_size(ids.shape[1], hidden.shape[1])
     return candidate_logits(hidden, weight, ids, p.coef, p.vocab_start, group_name(p.group),
                             p.sequence_parallel, chunk, p.weight_grad_accumulator,
-                            p.dummy_weight_grad)[0]
+                            p.dummy_weight_grad, invariant(p.backend))[0]
 
 
 @torch.library.custom_op("mcore_hooks::top_k_ids", mutates_args=())
 def top_k_ids(
     hidden: Tensor, weight: Tensor, coef: Tensor, vocab_start: int, group: Optional[str],
-    sequence_parallel: bool, chunk_size: int, top_k: int,
+    sequence_parallel: bool, chunk_size: int, top_k: int, invariant: bool,
 ) -> tuple[Tensor, Tensor]:
     """``(values, ids)`` ``[N, top_k]``: each token's ``top_k`` largest float32 logits over the
     whole vocabulary and their global ids (no gradient), from the torch backend's statistics
@@ -278,8 +290,17 @@ def top_k_ids(
     merged over the group."""
     pg = _group(group)
     x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
-    none = torch.full((x.shape[0],), -1, dtype=torch.long, device=x.device)
-    _, (values, rows) = TorchChunked.local_stats_top_k(x, weight, coef, none, chunk_size, top_k)
+    n = x.shape[0]
+    none = torch.full((n,), -1, dtype=torch.long, device=x.device)
+    if invariant:  # fixed-shape blocks, as InvariantBlocks runs the statistics pass
+        parts = [TorchChunked.local_stats_top_k(padded(x[s:e], BLOCK, 0), weight,
+                                                padded(coef[s:e], BLOCK, 1.0),
+                                                padded(none[s:e], BLOCK, -1), chunk_size, top_k)[1]
+                 for s, e in blocks(n)]
+        values = torch.cat([v[: e - s] for (v, _), (s, e) in zip(parts, blocks(n))])
+        rows = torch.cat([i[: e - s] for (_, i), (s, e) in zip(parts, blocks(n))])
+    else:
+        _, (values, rows) = TorchChunked.local_stats_top_k(x, weight, coef, none, chunk_size, top_k)
     ids = rows + vocab_start
     if ag.group_rank_size(pg)[1] > 1:
         values, ids = ag.gather_columns(values, pg), ag.gather_columns(ids, pg)
@@ -289,7 +310,7 @@ def top_k_ids(
 
 
 @top_k_ids.register_fake
-def _(hidden, weight, coef, vocab_start, group, sequence_parallel, chunk_size, top_k):
+def _(hidden, weight, coef, vocab_start, group, sequence_parallel, chunk_size, top_k, invariant):
     n = coef.shape[0]
     k = min(top_k, weight.shape[0] * _fake_group_size(group))
     return hidden.new_empty((n, k), dtype=_F32), hidden.new_empty((n, k), dtype=torch.long)

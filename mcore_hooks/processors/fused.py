@@ -138,9 +138,11 @@ class _FusedProcessor(PostprocessProcessor):
 
     def _set_options(
         self, temperature: Union[float, torch.Tensor], ignore_index: int, chunk_size: Optional[int],
-        backend: str,
+        backend: str, batch_invariant: bool = False,
     ) -> None:
         _check_options(temperature, ignore_index, chunk_size, backend)
+        _check_flag("batch_invariant", batch_invariant)
+        self.batch_invariant = batch_invariant
         self.temperature = temperature
         self.ignore_index = ignore_index
         self.chunk_size = chunk_size
@@ -203,6 +205,7 @@ class _FusedProcessor(PostprocessProcessor):
             parallel=VocabParallel(ctx.tp_group, ctx.vocab_start, ctx.sequence_parallel),
             chunk_size=self.chunk_size,
             backend=self.backend,
+            batch_invariant=self.batch_invariant,
         )
         weight, into_main_grad = main_grad.main_grad_route(weight, ctx.config)  # gradient_accumulation_fusion
         kwargs.update(into_main_grad)
@@ -274,6 +277,9 @@ class FusedLogprobProcessor(_FusedProcessor):
             logits a chunk); the Triton backend sizes its own tiles.
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
+        batch_invariant: each token's results and hidden-state gradient bitwise independent
+            of the other tokens in the call (fixed-shape 2048-token blocks; see
+            :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
         kept_set: None (the full vocabulary), ``"replay"`` (renormalise over the rollout's
             sampling mask, :meth:`sampling_mask`) or a
             :class:`~mcore_hooks.kernels.Truncation` (top-k / top-p / min-p recomputed from these
@@ -288,9 +294,10 @@ class FusedLogprobProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
+        batch_invariant: bool = False,
         kept_set: KeptSet = None,
     ) -> None:
-        self._set_options(temperature, ignore_index, chunk_size, backend)
+        self._set_options(temperature, ignore_index, chunk_size, backend, batch_invariant)
         _check_kept_set(kept_set)
         self.kept_set = kept_set
 
@@ -316,6 +323,9 @@ class EntropyProcessor(_FusedProcessor):
             logits a chunk); the Triton backend sizes its own tiles.
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
+        batch_invariant: each token's results and hidden-state gradient bitwise independent
+            of the other tokens in the call (fixed-shape 2048-token blocks; see
+            :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
     """
 
     def __init__(
@@ -326,9 +336,10 @@ class EntropyProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
+        batch_invariant: bool = False,
     ) -> None:
         _check_flag("mask_from_labels", mask_from_labels)
-        self._set_options(temperature, ignore_index, chunk_size, backend)
+        self._set_options(temperature, ignore_index, chunk_size, backend, batch_invariant)
         self.mask_from_labels = mask_from_labels
 
     def process(self, ctx: PostprocessContext) -> torch.Tensor:
@@ -354,6 +365,9 @@ class LogprobEntropyProcessor(_FusedProcessor):
             logits a chunk); the Triton backend sizes its own tiles.
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
+        batch_invariant: each token's results and hidden-state gradient bitwise independent
+            of the other tokens in the call (fixed-shape 2048-token blocks; see
+            :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
         kept_set: None (the full vocabulary), ``"replay"`` (renormalise over the rollout's
             sampling mask, :meth:`sampling_mask`) or a
             :class:`~mcore_hooks.kernels.Truncation` (top-k / top-p / min-p recomputed from these
@@ -369,10 +383,11 @@ class LogprobEntropyProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
+        batch_invariant: bool = False,
         kept_set: KeptSet = None,
     ) -> None:
         _check_flag("as_tuple", as_tuple)
-        self._set_options(temperature, ignore_index, chunk_size, backend)
+        self._set_options(temperature, ignore_index, chunk_size, backend, batch_invariant)
         _check_kept_set(kept_set)
         self.as_tuple = as_tuple
         self.kept_set = kept_set
@@ -410,6 +425,9 @@ class LinearCEProcessor(_FusedProcessor):
             logits a chunk); the Triton backend sizes its own tiles.
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
+        batch_invariant: each token's results and hidden-state gradient bitwise independent
+            of the other tokens in the call (fixed-shape 2048-token blocks; see
+            :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
         upstream_grad: the reduced loss's gradient in the backward, declared where the output
             weight's gradient goes into Megatron's ``main_grad``: as
             :class:`PolicyLossProcessor`'s.
@@ -423,11 +441,12 @@ class LinearCEProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
+        batch_invariant: bool = False,
         upstream_grad: Optional[float] = None,
     ) -> None:
         if reduction not in ("none", "sum", "mean"):
             raise ValueError(f"reduction: expected 'none', 'sum' or 'mean', got {reduction!r}")
-        self._set_options(temperature, ignore_index, chunk_size, backend)
+        self._set_options(temperature, ignore_index, chunk_size, backend, batch_invariant)
         check_upstream_grad_option(upstream_grad)
         self.reduction = reduction
         self.upstream_grad = upstream_grad
@@ -480,6 +499,9 @@ class PolicyLossProcessor(_FusedProcessor):
         ignore_index: the label of positions to skip (never a vocabulary id).
         chunk_size: tokens per chunk (None: the backend's default budget).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        batch_invariant: each token's results and hidden-state gradient bitwise independent
+            of the other tokens in the call (fixed-shape 2048-token blocks; see
+            :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
         upstream_grad: where the output weight's gradient goes into Megatron's ``main_grad``
             (``gradient_accumulation_fusion``), the gradient the returned loss will receive in
             the backward, declared so that the gradients are formed in the forward (6NHV) rather
@@ -509,6 +531,7 @@ class PolicyLossProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
+        batch_invariant: bool = False,
         upstream_grad: Optional[float] = None,
         kept_set: KeptSet = None,
     ) -> None:
@@ -517,7 +540,7 @@ class PolicyLossProcessor(_FusedProcessor):
                 f"aggregation: expected one of {', '.join(map(repr, AGGREGATIONS))}, got {aggregation!r}"
             )
         _check_flag("as_tuple", as_tuple)
-        self._set_options(temperature, ignore_index, chunk_size, backend)
+        self._set_options(temperature, ignore_index, chunk_size, backend, batch_invariant)
         check_upstream_grad_option(upstream_grad)
         self.loss = per_token_loss(PolicyLoss() if loss is None else loss)
         _check_kept_set(kept_set)
@@ -580,7 +603,8 @@ class SelectedLogprobProcessor(_FusedProcessor):
 
     Args:
         with_label: also return the labels' log-probs.
-        temperature, ignore_index, chunk_size, backend: as :class:`FusedLogprobProcessor`'s.
+        temperature, ignore_index, chunk_size, backend, batch_invariant: as
+            :class:`FusedLogprobProcessor`'s.
     """
 
     def __init__(
@@ -591,9 +615,10 @@ class SelectedLogprobProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
+        batch_invariant: bool = False,
     ) -> None:
         _check_flag("with_label", with_label)
-        self._set_options(temperature, ignore_index, chunk_size, backend)
+        self._set_options(temperature, ignore_index, chunk_size, backend, batch_invariant)
         self.with_label = with_label
 
     def selected_ids(self, ctx: PostprocessContext) -> torch.Tensor:
@@ -636,7 +661,8 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
             ``seq-mean-token-mean``.
         clamp_min: the per-token KL's lower clamp (None: none; verl: 0.0).
         as_tuple: return the tuple instead of the dict.
-        temperature, ignore_index, chunk_size, backend: as :class:`FusedLogprobProcessor`'s.
+        temperature, ignore_index, chunk_size, backend, batch_invariant: as
+            :class:`FusedLogprobProcessor`'s.
     """
 
     def __init__(
@@ -649,6 +675,7 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
+        batch_invariant: bool = False,
     ) -> None:
         if aggregation not in AGGREGATIONS:
             raise ValueError(
@@ -658,7 +685,7 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
             raise ValueError(f"clamp_min: expected a finite float or None, got {clamp_min!r}")
         _check_flag("as_tuple", as_tuple)
         super().__init__(temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
-                         backend=backend)
+                         backend=backend, batch_invariant=batch_invariant)
         self.aggregation, self.clamp_min, self.as_tuple = aggregation, clamp_min, as_tuple
 
     def selected_ids(self, ctx: PostprocessContext) -> torch.Tensor:
