@@ -8,8 +8,9 @@ into ``main_grad`` (with and without a declared ``upstream_grad``), the path the
 (``forward``: the loss's backward; ``plan``: the combined-1F1B plan's post-process node, its loss
 node handing back each output's gradient, the processors returning tuples), which outputs the
 loss uses (all, or the first: an entropy only logged), a non-reentrant activation-checkpointed
-region around the call, one or two MTP depths' fused loss on the same weight, and the deferred
-embedding weight gradient of pipeline parallelism (``defer_embedding_wgrad_compute``), on 4
+region around the call, one or two MTP depths' fused loss on the same weight, the deferred
+embedding weight gradient of pipeline parallelism (``defer_embedding_wgrad_compute``), and the
+batch-invariant mode, on 4
 gloo CPU ranks in float32, and compares values and gradients with the same processor on the
 unsplit batch (itself checked against stock Megatron by the rest of the suite). A combination either matches or is refused
 before anything is written, with an error naming it. ``python tests/configuration_space.py``
@@ -51,6 +52,7 @@ OPTIONS: dict[str, tuple] = {
     "checkpoint": ("none", "region"),
     "mtp": (0, 1, 2),
     "defer_wgrad": (False, True),
+    "invariant": (False, True),
 }
 DECLARABLE = ("ce-sum", "ce-mean", "policy-token-mean", "policy-seq-mean-token-mean")
 TWO_OUTPUTS = ("logprob-entropy", "verl", "kept-replay")  # two differentiable outputs: the loss may use one
@@ -78,6 +80,7 @@ class Combo:
     checkpoint: str = "none"
     mtp: int = 0
     defer_wgrad: bool = False
+    invariant: bool = False
 
     def name(self) -> str:
         parts = [self.processor, f"tp{self.tp}", "sp" if self.sp else "", f"cp{self.cp}",
@@ -86,7 +89,8 @@ class Combo:
                  "mask" if self.loss_mask else "", f"main_grad-{self.main_grad}", self.path,
                  "uses-first" if self.uses == "first" else "",
                  "checkpointed" if self.checkpoint == "region" else "",
-                 f"mtp{self.mtp}" if self.mtp else "", "defer-wgrad" if self.defer_wgrad else ""]
+                 f"mtp{self.mtp}" if self.mtp else "", "defer-wgrad" if self.defer_wgrad else "",
+                 "batch-invariant" if self.invariant else ""]
         return " ".join(p for p in parts if p)
 
 
@@ -258,34 +262,35 @@ def _processor(c: Combo, d: dict):
     from mcore_hooks.kernels import PolicyLoss
 
     t = d["temps"] if c.temperature == "per-sample" else 0.8
+    inv = dict(batch_invariant=c.invariant)
     up = UPSTREAM if c.main_grad == "declared" else None
     p = c.processor
     if p == "logprob":
-        return FusedLogprobProcessor(temperature=t)
+        return FusedLogprobProcessor(**inv, temperature=t)
     if p == "entropy":
-        return EntropyProcessor(temperature=t, mask_from_labels=True)
+        return EntropyProcessor(**inv, temperature=t, mask_from_labels=True)
     plan = c.path == "plan"  # the plan takes tensors and tuples of tensors
     if p == "logprob-entropy":
-        return LogprobEntropyProcessor(temperature=t, as_tuple=True)
+        return LogprobEntropyProcessor(**inv, temperature=t, as_tuple=True)
     if p.startswith("ce-"):
-        return LinearCEProcessor(reduction=p[3:], temperature=t, upstream_grad=up)
+        return LinearCEProcessor(**inv, reduction=p[3:], temperature=t, upstream_grad=up)
     if p.startswith("policy-"):
-        return PolicyLossProcessor(aggregation=p[len("policy-"):], temperature=t, upstream_grad=up,
+        return PolicyLossProcessor(**inv, aggregation=p[len("policy-"):], temperature=t, upstream_grad=up,
                                    as_tuple=plan)
     if p == "verl":
-        return VerlFusedProcessor(as_tuple=plan)  # the temperature comes in the context
+        return VerlFusedProcessor(**inv, as_tuple=plan)  # the temperature comes in the context
     if p == "kept-replay":
-        return LogprobEntropyProcessor(temperature=t, as_tuple=True, kept_set="replay")
+        return LogprobEntropyProcessor(**inv, temperature=t, as_tuple=True, kept_set="replay")
     if p == "kept-top-k":
-        return FusedLogprobProcessor(temperature=t, kept_set=Truncation(top_k=6, top_p=0.9, min_p=0.01))
+        return FusedLogprobProcessor(**inv, temperature=t, kept_set=Truncation(top_k=6, top_p=0.9, min_p=0.01))
     if p == "kept-policy":
-        return PolicyLossProcessor(loss=PolicyLoss(entropy_coef=0.01), temperature=t, as_tuple=plan,
+        return PolicyLossProcessor(**inv, loss=PolicyLoss(entropy_coef=0.01), temperature=t, as_tuple=plan,
                                    kept_set="replay")
     if p == "selected":
-        return SelectedLogprobProcessor(temperature=t)
+        return SelectedLogprobProcessor(**inv, temperature=t)
     if p == "distill":
-        return TopKDistillationProcessor(temperature=t, as_tuple=plan)
-    return NemoRLLogprobProcessor(temperature=t)
+        return TopKDistillationProcessor(**inv, temperature=t, as_tuple=plan)
+    return NemoRLLogprobProcessor(**inv, temperature=t)
 
 
 def _outputs(c: Combo, out: Any) -> tuple:
@@ -519,8 +524,8 @@ def run_all(combos: list[Combo]) -> list[tuple[Combo, Optional[str], Optional[st
 def table(rows: list[tuple[Combo, Optional[str], Optional[str]]]) -> str:
     """The README's matrix: one line per combination, exact or refused and why."""
     lines = ["| processor | TP | SP | CP | layout | tied | temperature | labels | loss mask | main_grad "
-             "| path | loss uses | checkpoint | MTP | deferred wgrad | result |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| path | loss uses | checkpoint | MTP | deferred wgrad | batch-invariant | result |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c, problem, refused in rows:
         result = ("**FAILS**: " + problem) if problem else (
             f"refused: `{refused.split(':', 1)[1].strip()[:90]}...`"
@@ -529,7 +534,7 @@ def table(rows: list[tuple[Combo, Optional[str], Optional[str]]]) -> str:
             f"| {c.processor} | {c.tp} | {'on' if c.sp else 'off'} | {c.cp} | {'THD' if c.packed else 'BSHD'} | "
             f"{'yes' if c.tied else 'no'} | {c.temperature} | {c.labels} | {'yes' if c.loss_mask else 'no'} | "
             f"{c.main_grad} | {c.path} | {c.uses} | {c.checkpoint} | {c.mtp} | "
-            f"{'yes' if c.defer_wgrad else 'no'} | {result} |")
+            f"{'yes' if c.defer_wgrad else 'no'} | {'yes' if c.invariant else 'no'} | {result} |")
     return "\n".join(lines)
 
 
