@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (see README): install the carried wheels, run the GPU-marked tests, then
-# the benchmark. Usage: bash benchmarks/device_run.sh [tests|bench|quick|ce|profile|tma|splits|all]   (default: all)
+# the benchmark. Usage: bash benchmarks/device_run.sh [tests|bench|quick|ce|profile|tma|splits|rollout|all]   (default: all)
+# rollout: bench_rollout.py, with Liger's CuTe-DSL SM90 kernel where the nvidia-cutlass-dsl wheels
+# were carried in two parts (.cdsl1/ on one call, .cdsl2/ on the next, the machine kept warm:
+# the libs wheel is 92 MB, over one call's carry limit).
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-benchmarks/out}
@@ -9,6 +12,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi -L
 rc=0
+if [ -d .cdsl1 ]; then mkdir -p /tmp/cdsl && cp .cdsl1/* /tmp/cdsl/; fi
+if [ -d .cdsl2 ] && [ -f /tmp/cdsl/cu12part.aa ]; then
+  cp .cdsl2/* /tmp/cdsl/ && cat /tmp/cdsl/cu12part.aa /tmp/cdsl/cu12part.ab > /tmp/cdsl/nvidia_cutlass_dsl_libs_cu12-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl \
+    && rm /tmp/cdsl/cu12part.* && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/cdsl/*.whl \
+    && echo "nvidia-cutlass-dsl installed"
+fi
 if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = quick ] || [ "$what" = profile ] || [ "$what" = ce ] || [ "$what" = splits ]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore -rs -s -m gpu tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -25 || rc=1
   timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_triton_backend.py 2>&1 | tee "$out/triton_tests.log" | tail -4 || rc=1
@@ -27,6 +36,9 @@ if [ "$what" = ce ] || [ "$what" = all ]; then
 fi
 if [ "$what" = profile ]; then
   timeout 400 python3 benchmarks/profile_kernels.py 2>&1 | tee "$out/profile.log" || rc=1
+fi
+if [ "$what" = rollout ]; then
+  timeout 540 python3 benchmarks/bench_rollout.py 2>&1 | tee "$out/bench_rollout.log" | grep -v '^{' | tail -60 || rc=1
 fi
 if [ "$what" = quick ]; then
   timeout 400 python3 benchmarks/bench_postprocess.py --quick --tp2 --out "$out" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -40 || rc=1

@@ -529,3 +529,113 @@ def test_gradient_accumulation_fusion_into_megatron_ddp(tied, dtype, declared):
     # fp32: float rounding of another summation order; bf16: the stock path's bf16 logits
     tol = 1e-4 if dtype == "float32" else 5e-2
     assert max(errors.values()) < tol, errors
+
+
+# --------------------------------------------------------------------------- rollout parity and batch invariance
+
+
+def _rollout_data(n=1024, hidden=512, vocab=32003, k=16, seed=0):
+    """bf16 inputs, labels, k random ids per token (a teacher's top-k), and a kept set per token:
+    the label and k - 1 other distinct ids (label + distinct offsets), the last 3 padded on odd
+    rows."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, hidden, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(vocab, hidden, device="cuda", generator=g) / hidden**0.5 * 4).bfloat16()
+    y = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    ids = torch.randint(0, vocab, (n, k), device="cuda", generator=g)
+    offsets = torch.arange(k, device="cuda") * 977  # distinct modulo the vocabulary
+    kept = (y[:, None] + offsets) % vocab
+    odd = (torch.arange(n, device="cuda") % 2 == 1)[:, None] & (torch.arange(k, device="cuda") >= k - 3)
+    return x, w, y, ids, torch.where(odd, -1, kept)
+
+
+def _keep_mask(kept, shape):
+    count = torch.zeros(shape, dtype=torch.long, device=kept.device)
+    return count.scatter_add_(1, kept.clamp(min=0), (kept >= 0).long()) > 0  # padding adds 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rollout_paths_on_cuda_match_float64(backend):
+    """Kept-set replay, recomputed truncation and selected ids on the GPU (bf16, both backends
+    for the vocabulary pass), against float64: log-probs to float32 rounding, gradients to bf16's."""
+    from mcore_hooks.kernels import Truncation, linear_logprob_entropy
+
+    x, w, y, ids, kept = _rollout_data()
+    xd, wd = x.double(), w.double()
+    logits = xd @ wd.t() / 0.8
+    full = torch.log_softmax(logits, -1)
+
+    def rel(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    for case in ("kept", "truncation", "selected"):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        opts = {"kept": dict(kept_ids=kept), "truncation": dict(truncation=Truncation(top_k=16, top_p=0.9)),
+                "selected": dict(selected_ids=ids)}[case]
+        r = linear_logprob_entropy(xg, wg, y, temperature=0.8, backend=backend, **opts)
+        out = r.selected if case == "selected" else r.logprob
+        out.sum().backward()
+        if case == "selected":
+            want = full.gather(1, ids)
+            keep = None
+        else:
+            keep = torch.zeros_like(full, dtype=torch.bool)
+            if case == "kept":
+                keep = _keep_mask(kept, full.shape)
+            else:
+                top = logits.topk(16, 1)
+                srt, order = top.values.sort(1)
+                cum = torch.softmax(srt, 1).cumsum(1)
+                drop = cum <= 1 - 0.9
+                drop[:, -1] = False
+                keep.scatter_(1, top.indices.gather(1, order), ~drop)
+                keep.scatter_(1, y[:, None], True)
+            want = torch.where(keep, logits, -float("inf")).log_softmax(-1).gather(1, y[:, None]).squeeze(1)
+        assert rel(out, want) < 3e-6, case
+        xr, wr = xd.clone().requires_grad_(), wd.clone().requires_grad_()
+        lr = xr @ wr.t() / 0.8
+        if case == "selected":
+            ref = torch.log_softmax(lr, -1).gather(1, ids)
+        else:
+            ref = torch.where(keep, lr, -float("inf")).log_softmax(-1).gather(1, y[:, None])
+        ref.sum().backward()
+        assert rel(xg.grad, xr.grad) < 3e-2 and rel(wg.grad, wr.grad) < 3e-2, case
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_batch_invariance_on_cuda_is_bitwise(backend):
+    """With batch_invariant=True the same tokens' log-probs, entropies, selected and kept-set
+    log-probs and hidden-state gradient rows are bitwise equal in calls of 7 to 16384 tokens;
+    and the gather path's dW is the same from run to run."""
+    from mcore_hooks.kernels import linear_logprob_entropy
+
+    x, w, y, ids, kept = _rollout_data(n=16384, hidden=256, vocab=32003)
+    probe = 7
+
+    def run(n, **opts):
+        rows = torch.cat([torch.arange(probe, n, device="cuda"), torch.arange(probe, device="cuda")])
+        xg, wg = x[rows].clone().requires_grad_(), w.clone().requires_grad_()
+        r = linear_logprob_entropy(xg, wg, y[rows], backend=backend, batch_invariant=True, **opts)
+        extra = r.selected.sum() if r.selected is not None else 0.0
+        (r.logprob.sum() + 0.5 * r.entropy.sum() + extra).backward()
+        outs = [r.logprob, r.entropy, xg.grad] + ([r.selected] if r.selected is not None else [])
+        return [o[-probe:] for o in outs], wg.grad
+
+    for o in ({}, dict(selected_ids=ids), dict(kept_ids=kept)):
+        base = None
+        for n in (probe, 128, 1000, 4096, 16384):
+            sub = {k: v[torch.cat([torch.arange(probe, n, device="cuda"), torch.arange(probe, device="cuda")])]
+                   for k, v in o.items()}
+            got, _ = run(n, **sub)
+            if base is None:
+                base = got
+            assert all(torch.equal(a, b) for a, b in zip(base, got)), (list(o), n)
+    sub = {"kept_ids": kept[:4096]}
+    rows = torch.arange(4096, device="cuda")
+    dws = []
+    for _ in range(2):
+        wg = w.clone().requires_grad_()
+        linear_logprob_entropy(x[rows], wg, y[rows], backend=backend, batch_invariant=True,
+                               **sub).logprob.sum().backward()
+        dws.append(wg.grad)
+    assert torch.equal(dws[0], dws[1])
