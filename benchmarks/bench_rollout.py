@@ -132,7 +132,6 @@ def main() -> int:
                (lp[rows].double() - _exact(x, w, y, rows, kept=kept)).abs().max().item())
         if k == 64:
             _liger(x, w, y, teacher, xg, wg, rows, record)
-        del x, w, y, kept, teacher, xg, wg
         torch.cuda.empty_cache()
 
     print("\n| path | fwd ms | fwd+bwd ms | peak MiB | max abs err vs float64 |\n|---|---|---|---|---|")
