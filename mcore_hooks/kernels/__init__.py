@@ -163,6 +163,8 @@ def linear_logprob_entropy(
             ids = _id_matrix("kept_ids", kept_ids, p.n, weight.shape[0] * group_rank_size(parallel.group)[1],
                              hidden.device)
             cand.check_kept_ids(ids, p.labels, p.valid, weight.shape[0] * group_rank_size(parallel.group)[1])
+        if ops.invariant(p.backend):
+            ids = cand.aligned_columns(ids)
         r = cand.kept_stats(ops.logits_of(hidden, weight, ids, p), ids, p.labels, p.valid)
         return LogprobEntropy(r.logprob, r.entropy, r.logz, r.label_is_argmax)
     if selected_ids is not None:
@@ -197,6 +199,10 @@ def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams, t: T
     values, ids = ops.top_k_ids(hidden.detach(), weight.detach(), p.coef, p.vocab_start,
                                 ops.group_name(p.group), p.sequence_parallel, p.chunk_size, t.top_k,
                                 ops.invariant(p.backend))
+    if ops.invariant(p.backend):  # aligned rows for the sort's softmax and cumulative sum
+        pad = cand.aligned_columns(ids).shape[1] - ids.shape[1]
+        values = torch.cat([values, values.new_full((values.shape[0], pad), -math.inf)], dim=1)
+        ids = torch.cat([ids, ids.new_full((ids.shape[0], pad), -1)], dim=1)
     return cand.with_labels(cand.truncate(values, ids, t), p.labels, p.valid)
 
 

@@ -109,6 +109,17 @@ def candidate_grads(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, i
     return dx, dw
 
 
+def aligned_columns(ids: torch.Tensor, multiple: int = 16) -> torch.Tensor:
+    """``ids [N, K]`` padded with -1 to a multiple of 16 columns: every row of the ``[N, K]``
+    float32 work then starts at the same alignment, so the GPU's row reductions sum each row in
+    the same order wherever it sits (batch invariance)."""
+    k = ids.shape[1]
+    kp = -(-k // multiple) * multiple
+    if kp == k:
+        return ids
+    return torch.cat([ids, ids.new_full((ids.shape[0], kp - k), -1)], dim=1)
+
+
 class KeptStats(NamedTuple):
     """Float32 ``[N]`` results of a distribution renormalised over each token's kept ids."""
 

@@ -53,7 +53,7 @@ def _backend(name: str, device: torch.device) -> ag.Backend:
     fixed-shape token blocks (:mod:`.invariant`)."""
     base, _, mode = name.partition("+")
     if base == "torch":
-        backend: ag.Backend = TorchChunked()
+        backend: ag.Backend = TorchChunked(aligned=mode == "invariant")
     else:
         from . import triton_fused  # lazily: it imports Triton, slow and optional
 
@@ -295,7 +295,8 @@ def top_k_ids(
     if invariant:  # fixed-shape blocks, as InvariantBlocks runs the statistics pass
         parts = [TorchChunked.local_stats_top_k(padded(x[s:e], BLOCK, 0), weight,
                                                 padded(coef[s:e], BLOCK, 1.0),
-                                                padded(none[s:e], BLOCK, -1), chunk_size, top_k)[1]
+                                                padded(none[s:e], BLOCK, -1), chunk_size, top_k,
+                                                aligned=True)[1]
                  for s, e in blocks(n)]
         values = torch.cat([v[: e - s] for (v, _), (s, e) in zip(parts, blocks(n))])
         rows = torch.cat([i[: e - s] for (_, i), (s, e) in zip(parts, blocks(n))])

@@ -18,14 +18,44 @@ def _chunk_logits(x, weight, coef, start, end):
     return z.mul_(coef[start:end].unsqueeze(1))
 
 
+# A padded logit: exp of it less the row's max is 0, and 0 times it is 0 (-inf would give NaN).
+_PAD = -1e30
+_ALIGN = 16  # floats: 64-byte rows
+
+
+def _aligned_logits(x, weight, coef, start, end):
+    """:func:`_chunk_logits` in rows padded to a multiple of 16 floats with :data:`_PAD`: every
+    row then starts at the same alignment, so the GPU's row reductions (vectorised loads, a
+    misaligned head handled apart) sum each row in the same order wherever it sits: batch
+    invariance. The padding adds exact zeros to every sum and never wins a max."""
+    v = weight.shape[0]
+    vp = -(-v // _ALIGN) * _ALIGN
+    z = torch.empty((end - start, vp), dtype=torch.float32, device=x.device)
+    z[:, v:] = _PAD
+    mm_f32(x[start:end], weight.t(), out=z[:, :v])
+    return z.mul_(coef[start:end].unsqueeze(1))
+
+
+def aligned_rows(t: torch.Tensor, fill: float) -> torch.Tensor:
+    """``t [c, V]`` copied into rows padded to a multiple of 16 with ``fill`` (as above)."""
+    v = t.shape[1]
+    out = t.new_full((t.shape[0], -(-v // _ALIGN) * _ALIGN), fill)
+    out[:, :v] = t
+    return out
+
+
 class TorchChunked(Backend):
     name = "torch"
 
+    def __init__(self, aligned: bool = False) -> None:
+        # aligned: rows padded for batch invariance (set by InvariantBlocks)
+        self.aligned = aligned
+
     def local_stats(self, x, weight, coef, local_label, chunk_size) -> LocalStats:
-        return self.local_stats_top_k(x, weight, coef, local_label, chunk_size, 0)[0]
+        return self.local_stats_top_k(x, weight, coef, local_label, chunk_size, 0, self.aligned)[0]
 
     @staticmethod
-    def local_stats_top_k(x, weight, coef, local_label, chunk_size, top_k):
+    def local_stats_top_k(x, weight, coef, local_label, chunk_size, top_k, aligned=False):
         """:meth:`local_stats`, and with ``top_k > 0`` each token's ``min(top_k, V_local)``
         largest logits and their local rows, taken from the same chunks (None otherwise)."""
         n = x.shape[0]
@@ -37,7 +67,7 @@ class TorchChunked(Backend):
         index = local_label.clamp(min=0).unsqueeze(1)  # gather at a safe index, then mask: no sync
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            z = _chunk_logits(x, weight, coef, start, end)
+            z = (_aligned_logits if aligned else _chunk_logits)(x, weight, coef, start, end)
             t[start:end] = torch.where(owned[start:end], z.gather(1, index[start:end]).squeeze(1), 0.0)
             if top is not None:
                 top[0][start:end], top[1][start:end] = z.topk(kk, dim=1)
@@ -82,9 +112,10 @@ class TorchChunked(Backend):
             return dx, None
         return dx, dw.to(weight.dtype)
 
-    @staticmethod
-    def row_stats(z, coef, local_label, with_entropy) -> LocalStats:
+    def row_stats(self, z, coef, local_label, with_entropy) -> LocalStats:
         l = z * coef.unsqueeze(1)
+        if self.aligned:
+            l = aligned_rows(l, _PAD)
         m = l.amax(dim=1)
         t = l.gather(1, local_label.clamp(min=0).unsqueeze(1)).squeeze(1)
         d = l.sub_(m.unsqueeze(1))  # l - m <= 0
