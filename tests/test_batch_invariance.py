@@ -62,9 +62,18 @@ def _call(kind, x, w, y, kept, rows):
     return [o.detach() for o in out] + [xg.grad], wg.grad
 
 
+@pytest.fixture(params=["gather", "dense"])
+def path(request, monkeypatch):
+    """Both ways the ids' logits are made (kernels/candidates.py)."""
+    from mcore_hooks.kernels import candidates
+
+    monkeypatch.setattr(candidates, "gathers", lambda k, v: request.param == "gather")
+    return request.param
+
+
 @pytest.mark.parametrize("kind", ["logprob-entropy", "kept-set", "truncation", "selected",
                                   "cross-entropy", "policy"])
-def test_a_tokens_results_do_not_depend_on_the_rest_of_the_call(kind):
+def test_a_tokens_results_do_not_depend_on_the_rest_of_the_call(kind, path):
     x, w, y, kept = _pool(torch.float32)
     probe = list(range(PROBE))
     alone, _ = _call(kind, x, w, y, kept, probe)

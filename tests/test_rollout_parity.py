@@ -56,9 +56,19 @@ def _entropy_error(ref, x, w):
     return C * (2 * eps * (1 + d + math.log(V)) + U32 * (ref.entropy.abs() + 1))
 
 
+@pytest.fixture(params=["gather", "dense"])
+def path(request, monkeypatch):
+    """Both ways of making the ids' logits (kernels/candidates.py: gathered weight rows for a
+    narrow K, columns of a dense product for a wide one), whatever these small shapes pick."""
+    from mcore_hooks.kernels import candidates
+
+    monkeypatch.setattr(candidates, "gathers", lambda k, v: request.param == "gather")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature", ["scalar", "per-token"])
-def test_kept_set_log_probs_entropy_and_gradients_match_float64(dtype, temperature):
+def test_kept_set_log_probs_entropy_and_gradients_match_float64(dtype, temperature, path):
     x, w, labels, ids = _data(dtype)
     t = 0.7 if temperature == "scalar" else torch.linspace(0.5, 1.5, N)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -158,7 +168,7 @@ def _vllm_reference(logits, top_k, top_p, min_p):
 
 
 @pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (10, 0.8, 0.0), (12, 0.9, 0.05), (50, 0.7, 0.0)])
-def test_recomputed_truncation_keeps_what_nemo_rl_and_vllm_keep(top_k, top_p, min_p):
+def test_recomputed_truncation_keeps_what_nemo_rl_and_vllm_keep(top_k, top_p, min_p, path):
     """The kept set (plus the label) and the renormalised log-prob, entropy and gradients, against
     the two projects' formulas applied to float64 logits."""
     x, w, labels, _ = _data(torch.float32, seed=3)
@@ -216,7 +226,7 @@ def test_policy_loss_over_a_kept_set_is_the_loss_of_the_renormalised_log_probs()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_selected_ids_log_probs_and_gradients_match_float64(dtype):
+def test_selected_ids_log_probs_and_gradients_match_float64(dtype, path):
     x, w, labels, _ = _data(dtype, seed=1)
     g = torch.Generator().manual_seed(2)
     sel = torch.randint(0, V, (N, 4), generator=g)

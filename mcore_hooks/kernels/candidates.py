@@ -21,7 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .debug import check_values
-from .matmul import addmm_f32_, bmm_f32
+from .matmul import addmm_f32_, bmm_f32, mm_f32
 
 # Elements of one chunk's gathered rows as float32 products ([chunk, K, H]; 256 MiB).
 _GATHER_ELEMENTS = 1 << 26
@@ -51,13 +51,54 @@ def _chunk(t: torch.Tensor, start: int, end: int, rows: int, fixed: bool, fill) 
     return out
 
 
+# Bytes of one vocabulary chunk's [tokens, width] buffer in the dense passes.
+_DENSE_BYTES = 128 << 20
+
+
+def gathers(k: int, v_local: int) -> bool:
+    """Whether the ids' logits are gathered (``K`` weight rows a token: about ``6 N K H`` bytes
+    moved) rather than taken from a dense product over the vocabulary shard (``2 N V H`` flops,
+    the ids' columns kept). On an H100 the two cost the same near ``K = V / 1000`` (bf16,
+    ``benchmarks/RESULTS.md``); the choice depends on the shapes alone, never on the tokens."""
+    return k * 1024 <= v_local
+
+
+def _vocab_chunks(n: int, v_local: int, itemsize: int) -> list[tuple[int, int]]:
+    width = max(128, _DENSE_BYTES // (max(n, 1) * itemsize) // 128 * 128)
+    return [(v0, min(v0 + width, v_local)) for v0 in range(0, v_local, width)]
+
+
+def _token_blocks(n: int, fixed: bool, rows: int) -> list[tuple[int, int]]:
+    return [(s, min(s + rows, n)) for s in range(0, n, rows)] if fixed else [(0, n)]
+
+
+def _inside(rows: torch.Tensor, owned: torch.Tensor, v0: int, v1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inside, columns)``: which ids fall in vocabulary rows ``[v0, v1)`` of the shard, and their
+    columns there (0 elsewhere: a safe index, masked)."""
+    cols = rows - v0
+    inside = owned & (cols >= 0) & (cols < v1 - v0)
+    return inside, torch.where(inside, cols, 0)
+
+
 def candidate_logits(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, ids: torch.Tensor,
                      vocab_start: int, chunk_size: int, fixed: bool = False) -> torch.Tensor:
-    """Float32 ``[N, K]`` logits ``coef * x . W[id]`` of the ids this rank owns, 0 elsewhere.
-    ``fixed``: the last chunk padded to ``chunk_size`` tokens (batch invariance)."""
+    """Float32 ``[N, K]`` logits ``coef * x . W[id]`` of the ids this rank owns, 0 elsewhere:
+    gathered, or for a wide ``K`` (:func:`gathers`) the columns of a dense product over the
+    vocabulary. ``fixed`` (batch invariance): every product over ``chunk_size`` tokens (padded)."""
     n, k = ids.shape
-    owned, rows = owned_rows(ids, vocab_start, weight.shape[0])
-    out = torch.empty((n, k), dtype=torch.float32, device=x.device)
+    v_local = weight.shape[0]
+    owned, rows = owned_rows(ids, vocab_start, v_local)
+    out = torch.zeros((n, k), dtype=torch.float32, device=x.device)
+    if not gathers(k, v_local):
+        for start, end in _token_blocks(n, fixed, chunk_size):
+            xb = _chunk(x, start, end, chunk_size, fixed, 0)
+            o = out[start:end]
+            for v0, v1 in _vocab_chunks(xb.shape[0], v_local, 4):
+                z = mm_f32(xb, weight[v0:v1].t())[: end - start]
+                inside, cols = _inside(rows[start:end], owned[start:end], v0, v1)
+                o.copy_(torch.where(inside, z.gather(1, cols), o))
+            o.mul_(coef[start:end].unsqueeze(1))
+        return out
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         r = _chunk(rows, start, end, chunk_size, fixed, 0)
@@ -73,40 +114,64 @@ def candidate_grads(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, i
                     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """dX (float32, this rank's ids' share; the ops reduce it over the group) and dW (input
     dtype; or None with ``dw_accumulator``, a float32 tensor it is added into) of
-    ``sum d_logits * logits``. ``fixed`` (batch invariance): chunks padded to one shape, and on
-    a GPU dW formed by a dense product per chunk (a scatter into ``[chunk, V_local]``, then
-    cuBLAS: ``2 chunk V H`` flops) instead of ``index_add_``, whose atomic adds make the order
-    of a row's terms vary between runs."""
+    ``sum d_logits * logits``.
+
+    Gathered ids (:func:`gathers`): dX takes ``dz @ W[ids]``; dW an ``index_add_`` of ``dz x``
+    (float32), or, with ``fixed`` on a GPU, where ``index_add_``'s atomic adds would vary the
+    order of a row's terms between runs, the dense form. Dense (wide ``K``, or as just said): per
+    vocabulary chunk the gradient is scattered into ``[tokens, width]`` (each id once a row, so
+    the scatter is exact) and two cuBLAS products take it: dW's rows rounded once (or added into
+    the accumulator), dX summed in float32. ``fixed``: products over ``chunk_size`` tokens."""
     n, h = x.shape
     v_local = weight.shape[0]
     owned, rows = owned_rows(ids, vocab_start, v_local)
     # coef * dL/dl, rounded to the input dtype as the stock output layer's logit gradient is
     dz = torch.where(owned, d_logits * coef.unsqueeze(1), 0.0).to(x.dtype)
-    dx = torch.empty((n, h), dtype=torch.float32, device=x.device) if need_x else None
+    dx = torch.zeros((n, h), dtype=torch.float32, device=x.device) if need_x else None
+    gather = gathers(ids.shape[1], v_local)
+    dense_w = need_w and (not gather or (fixed and x.is_cuda))
     dw = None
+    # dense, one token block: each of dW's rows written once by a product over all the tokens
+    once = dense_w and dw_accumulator is None and not fixed
     if need_w:
-        dw = dw_accumulator if dw_accumulator is not None else torch.zeros(
-            weight.shape, dtype=torch.float32, device=x.device)
-    dense = fixed and x.is_cuda
-    for start in range(0, n, chunk_size):
-        end = min(start + chunk_size, n)
-        dzc, r = _chunk(dz, start, end, chunk_size, fixed, 0), _chunk(rows, start, end, chunk_size, fixed, 0)
-        xc = _chunk(x, start, end, chunk_size, fixed, 0)
-        if need_x:
-            dx[start:end] = bmm_f32(dzc.unsqueeze(1), weight[r]).squeeze(1)[: end - start]
-        if need_w and dense:
-            # the not-owned entries add an exact 0 at column 0: the sum is the same in any order
-            full = torch.zeros((dzc.shape[0], v_local), dtype=x.dtype, device=x.device)
-            addmm_f32_(dw, full.scatter_add_(1, r, dzc).t(), xc)
-        elif need_w:
-            # not-owned entries add an exact 0 into row 0
-            outer = dzc.float().unsqueeze(2) * xc.float().unsqueeze(1)
-            dw.index_add_(0, r.reshape(-1), outer.reshape(-1, h))
-    if dw is not None and dw_accumulator is None:
-        dw = dw.to(weight.dtype)
-    elif dw_accumulator is not None:
-        dw = None
-    return dx, dw
+        if dw_accumulator is not None:
+            dw = dw_accumulator
+        elif once:
+            dw = torch.empty(weight.shape, dtype=weight.dtype, device=x.device)
+        else:
+            dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
+    if gather:
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            dzc, r = _chunk(dz, start, end, chunk_size, fixed, 0), _chunk(rows, start, end, chunk_size, fixed, 0)
+            if need_x:
+                dx[start:end] = bmm_f32(dzc.unsqueeze(1), weight[r]).squeeze(1)[: end - start]
+            if need_w and not dense_w:
+                # not-owned entries add an exact 0 into row 0
+                xc = _chunk(x, start, end, chunk_size, fixed, 0)
+                outer = dzc.float().unsqueeze(2) * xc.float().unsqueeze(1)
+                dw.index_add_(0, r.reshape(-1), outer.reshape(-1, h))
+    if dense_w or (need_x and not gather):
+        for start, end in _token_blocks(n, fixed, chunk_size):
+            xb = _chunk(x, start, end, chunk_size, fixed, 0)
+            dzb = _chunk(dz, start, end, chunk_size, fixed, 0)
+            rb, ob = _chunk(rows, start, end, chunk_size, fixed, 0), _chunk(owned, start, end, chunk_size, fixed, False)
+            dxb = torch.zeros((xb.shape[0], h), dtype=torch.float32, device=x.device) if need_x and not gather else None
+            for v0, v1 in _vocab_chunks(xb.shape[0], v_local, x.element_size()):
+                inside, cols = _inside(rb, ob, v0, v1)
+                d = torch.zeros((xb.shape[0], v1 - v0), dtype=x.dtype, device=x.device)
+                d.scatter_add_(1, cols, torch.where(inside, dzb, 0.0).to(x.dtype))
+                if once:
+                    torch.mm(d.t(), xb, out=dw[v0:v1])  # K = all tokens: rounded once
+                elif dense_w:
+                    addmm_f32_(dw[v0:v1], d.t(), xb)
+                if dxb is not None:
+                    addmm_f32_(dxb, d, weight[v0:v1])
+            if dxb is not None:
+                dx[start:end] = dxb[: end - start]
+    if dw is None or dw_accumulator is not None:
+        return dx, None
+    return dx, dw if once else dw.to(weight.dtype)
 
 
 def aligned_columns(ids: torch.Tensor, multiple: int = 16) -> torch.Tensor:
