@@ -102,6 +102,40 @@ def test_triton_matches_torch_backend_and_float64(shape, dtype):
     assert (tri[0][ignored] == 0).all() and (tri[2][ignored] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("invariant", [False, True], ids=["plain", "batch-invariant"])
+def test_triton_selected_ids_match_torch_backend_and_float64(shape, dtype, invariant):
+    """The given ids' gradients folded into the Triton logit-gradient kernel (``extra``) as into
+    the torch backend's: values and gradients against float64 and the torch backend."""
+    n, h, v = shape
+    g = torch.Generator().manual_seed(n + v + 1)
+    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
+    labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    ids = torch.randint(0, v, (n, 3), generator=g).to(DEVICE)
+    ids[0, 1] = -1
+    coeffs = torch.randn(n, 3, generator=g).to(DEVICE)
+
+    def run(backend):
+        xg, wg = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        r = linear_logprob_entropy(xg, wg, labels, selected_ids=ids, temperature=0.9, backend=backend,
+                                   batch_invariant=invariant)
+        ((r.selected * coeffs).sum() + r.logprob.sum()).backward()
+        return r.selected.detach(), xg.grad, wg.grad
+
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    logp = torch.log_softmax(xd @ wd.t() / 0.9, -1)
+    sel = torch.where(ids >= 0, logp.gather(1, ids.clamp(min=0)), 0.0)
+    ((sel * coeffs.double()).sum() + logp.gather(1, labels[:, None]).sum()).backward()
+    tri, tor = run("triton"), run("torch")
+    assert close(tri[0], sel.detach(), 1e-5) and close(tri[0], tor[0], 1e-5)
+    for got, want, base in zip(tri[1:], (xd.grad, wd.grad), tor[1:]):
+        if want.norm() > 0:  # a one-word vocabulary: every gradient is 0
+            assert rel(got, want) < GRAD_TOL[dtype]
+            assert rel(got, want) <= 2 * rel(base, want) + 1e-3
+
+
 def _run_ce(backend, x, w, labels, token_weight, temperature, grad_out, **kw):
     x = x.detach().clone().requires_grad_()
     w = w.detach().clone().requires_grad_()

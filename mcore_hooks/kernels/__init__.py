@@ -209,15 +209,14 @@ def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams, t: T
 def _selected(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams, ids: torch.Tensor,
               with_label: bool) -> LogprobEntropy:
     """Log-probs of ``ids`` (and of the labels) under the full distribution: one statistics pass
-    (no label: its log-prob output is then ``-logZ``, with the gradient ``-p``) and the ids'
-    logits gathered, the label's among them."""
+    that also makes the ids' logits, the label's among them (no label of its own: its log-prob
+    output is then ``-logZ``, with the gradient ``-p``), one backward taking both gradients."""
     none = torch.full_like(p.labels, -1)
+    cols = torch.cat([ids, torch.where(p.valid, p.labels, -1).unsqueeze(1)], dim=1) if with_label else ids
     out = ops.logsoftmax_stats(hidden, weight, none, p.valid, p.coef, p.vocab_start,
                                ops.group_name(p.group), p.sequence_parallel, p.chunk_size, p.backend,
-                               p.weight_grad_accumulator, p.dummy_weight_grad)
-    neg_logz, entropy, logz, m, log_s = out[0], out[1], out[2], out[4], out[5]
-    cols = torch.cat([ids, torch.where(p.valid, p.labels, -1).unsqueeze(1)], dim=1) if with_label else ids
-    logits = ops.logits_of(hidden, weight, cols, p)
+                               p.weight_grad_accumulator, p.dummy_weight_grad, cols)
+    neg_logz, entropy, logz, m, log_s, logits = out[0], out[1], out[2], out[4], out[5], out[7]
     # (l - m) - log s, as the statistics pass rounds it; the gradient of -logZ added as an exact 0
     value = (logits - m.unsqueeze(1)) - log_s.unsqueeze(1)
     lp = value + (neg_logz - neg_logz.detach()).unsqueeze(1)

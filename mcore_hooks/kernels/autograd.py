@@ -186,8 +186,12 @@ class Backend:
         m: torch.Tensor, log_s: torch.Tensor, entropy: torch.Tensor, g_logprob: torch.Tensor,
         g_entropy: torch.Tensor, chunk_size: int, need_x: bool, need_w: bool,
         dw_accumulator: Optional[torch.Tensor] = None,
+        extra: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """dX, and dW (or None with ``dw_accumulator``, a float32 tensor dW is added into)."""
+        """dX, and dW (or None with ``dw_accumulator``, a float32 tensor dW is added into).
+        ``extra``: ``(columns [N, K], g [N, K])``, more terms of the logit gradient, ``g`` added
+        at each column of this shard (-1: none), as the label's ``g_logprob`` is: the gradient
+        of given ids' logits (``selected_ids``), folded into the same products."""
         raise NotImplementedError
 
     def row_stats(

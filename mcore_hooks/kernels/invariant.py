@@ -74,7 +74,7 @@ class InvariantBlocks(Backend):
         return LocalStats(*(torch.cat(ts) for ts in zip(*parts)))
 
     def grads(self, x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x,
-              need_w, dw_accumulator=None):
+              need_w, dw_accumulator=None, extra=None):
         b = self.block
         acc = dw_accumulator
         if need_w and acc is None:  # the blocks' products summed in float32, rounded once
@@ -82,9 +82,10 @@ class InvariantBlocks(Backend):
         dx = torch.empty_like(x) if need_x else None
         for s, e in blocks(x.shape[0], b):
             pad = [padded(t[s:e], b, 0.0) for t in (m, log_s, entropy, g1, g2)]
+            ext = None if extra is None else (padded(extra[0][s:e], b, -1), padded(extra[1][s:e], b, 0.0))
             dxb, _ = self.inner.grads(padded(x[s:e], b, 0), weight, padded(coef[s:e], b, 1.0),
                                       padded(local_label[s:e], b, -1), *pad, chunk_size, need_x,
-                                      need_w, acc if need_w else None)
+                                      need_w, acc if need_w else None, ext)
             if need_x:
                 dx[s:e] = dxb[: e - s]
         if not need_w or dw_accumulator is not None:

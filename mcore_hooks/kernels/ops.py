@@ -83,12 +83,14 @@ def _nothing(like: Tensor) -> Tensor:
 def logsoftmax_stats(
     hidden: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
     group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str,
-    accumulator: Optional[Tensor], placeholder: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(logprob, entropy, logz, label_is_argmax, max, log_s, gathered hidden)`` per token; the
-    last three are for the backward (the gathered hidden states only under sequence parallelism,
-    else empty). ``accumulator`` and ``placeholder`` are for the backward alone (where the
-    weight's gradient goes; whether the weight then gets a zero-stride placeholder)."""
+    accumulator: Optional[Tensor], placeholder: bool, extra_ids: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(logprob, entropy, logz, label_is_argmax, max, log_s, gathered hidden, extra logits)``
+    per token; max, log_s and the gathered hidden states (only under sequence parallelism, else
+    empty) are for the backward. ``extra_ids`` (``[N, K]`` global ids, -1 padding): their
+    float32 logits, differentiable, their gradient folded into this pass's backward like the
+    label's (empty without). ``accumulator`` and ``placeholder`` are for the backward alone
+    (where the weight's gradient goes; whether the weight then gets a zero-stride placeholder)."""
     pg = _group(group)
     x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
     local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
@@ -96,17 +98,24 @@ def logsoftmax_stats(
     st = ag.combine(local, pg)
     logprob = torch.where(valid, st.logprob(), 0.0)
     entropy = torch.where(valid, st.entropy, 0.0)
+    extra = _nothing(coef)
+    if extra_ids is not None:
+        extra = cand.candidate_logits(x, weight, coef, extra_ids, vocab_start,
+                                      cand.gather_chunk_size(extra_ids.shape[1], x.shape[1]),
+                                      invariant(backend))
+        ag.all_reduce(extra, torch.distributed.ReduceOp.SUM, pg)  # each id on one rank: exact
     return (logprob, entropy, st.max + st.log_s, valid & ag.label_is_row_max(st), st.max, st.log_s,
-            x if sequence_parallel else _nothing(hidden))
+            x if sequence_parallel else _nothing(hidden), extra)
 
 
 @logsoftmax_stats.register_fake
 def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
-      accumulator, placeholder):
+      accumulator, placeholder, extra_ids=None):
     n = labels.shape[0]
     f32 = [hidden.new_empty(n, dtype=_F32) for _ in range(5)]
     x = hidden.new_empty((n, hidden.shape[1])) if sequence_parallel else _nothing(hidden)
-    return f32[0], f32[1], f32[2], hidden.new_empty(n, dtype=torch.bool), f32[3], f32[4], x
+    extra = hidden.new_empty(extra_ids.shape, dtype=_F32) if extra_ids is not None else coef.new_empty(0)
+    return f32[0], f32[1], f32[2], hidden.new_empty(n, dtype=torch.bool), f32[3], f32[4], x, extra
 
 
 @torch.library.custom_op("mcore_hooks::logsoftmax_stats_backward", mutates_args=("accumulator",))
@@ -114,15 +123,20 @@ def logsoftmax_stats_backward(
     x: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
     group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str, m: Tensor,
     log_s: Tensor, entropy: Tensor, g_logprob: Tensor, g_entropy: Tensor, need_x: bool,
-    need_w: bool, accumulator: Optional[Tensor],
+    need_w: bool, accumulator: Optional[Tensor], extra_ids: Optional[Tensor] = None,
+    extra_g: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """``(dX, dW)`` of ``sum g_logprob * logprob + g_entropy * entropy`` (``x`` all tokens; dX
     reduced over the group, this rank's shard under sequence parallelism); empty where not
     asked for, or dW where it went into ``accumulator``."""
     local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
+    extra = None
+    if extra_ids is not None and extra_g is not None:
+        owned, cols = cand.owned_rows(extra_ids, vocab_start, weight.shape[0])
+        extra = (torch.where(owned, cols, -1), extra_g)
     dx, dw = _backend(backend, x.device).grads(
         x, weight, coef, local_label, m, log_s, entropy, g_logprob, g_entropy, chunk_size, need_x,
-        need_w, accumulator if need_w else None)
+        need_w, accumulator if need_w else None, extra)
     if dx is not None:
         dx = ag.reduce_hidden_grad(dx, _group(group), sequence_parallel)
     return (_nothing(x) if dx is None else dx), (_nothing(weight) if dw is None else dw)
@@ -130,7 +144,8 @@ def logsoftmax_stats_backward(
 
 @logsoftmax_stats_backward.register_fake
 def _(x, weight, labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
-      m, log_s, entropy, g_logprob, g_entropy, need_x, need_w, accumulator):
+      m, log_s, entropy, g_logprob, g_entropy, need_x, need_w, accumulator, extra_ids=None,
+      extra_g=None):
     rows = x.shape[0] // _fake_group_size(group) if sequence_parallel else x.shape[0]
     dx = x.new_empty((rows, x.shape[1])) if need_x else _nothing(x)
     dw = weight.new_empty(weight.shape) if need_w and accumulator is None else _nothing(weight)
@@ -143,13 +158,15 @@ def _fake_group_size(name: Optional[str]) -> int:
 
 def _stats_setup(ctx, inputs, output):
     (hidden, weight, labels, valid, coef, vocab_start, group, sp, chunk_size, backend, accumulator,
-     placeholder) = inputs
-    _, entropy, logz, _, m, log_s, gathered = output
+     placeholder) = inputs[:12]
+    _, entropy, logz, _, m, log_s, gathered, _ = output
     # only the log-prob and entropy carry gradients; the rest are for the backward or detached
     # by contract (and no zeros are made for the gradients of outputs the loss did not use)
     ctx.mark_non_differentiable(logz, m, log_s, gathered)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(gathered if sp else hidden, weight, labels, valid, coef, m, log_s, entropy)
+    extra_ids = inputs[12] if len(inputs) > 12 else None
+    ctx.save_for_backward(gathered if sp else hidden, weight, labels, valid, coef, m, log_s, entropy,
+                          extra_ids)
     ctx.args = (vocab_start, group, sp, chunk_size, backend)
     # not saved: it is written between this forward and its backward by design (other
     # micro-batches' backwards), which save_for_backward's version check would refuse
@@ -157,22 +174,23 @@ def _stats_setup(ctx, inputs, output):
     ctx.hidden_shape, ctx.placeholder = hidden.shape, placeholder
 
 
-def _stats_backward(ctx, d_logprob, d_entropy, *_):
-    x, weight, labels, valid, coef, m, log_s, entropy = ctx.saved_tensors
+def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gathered, d_extra):
+    x, weight, labels, valid, coef, m, log_s, entropy, extra_ids = ctx.saved_tensors
     accumulator = ctx.accumulator
     zero = torch.zeros_like(m)
     g1 = torch.where(valid, d_logprob.float(), zero) if d_logprob is not None else zero
     g2 = torch.where(valid, d_entropy.float(), zero) if d_entropy is not None else zero
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     acc = accumulator if need_w else None
+    e_g = d_extra.float() if d_extra is not None and extra_ids is not None else None
     dx, dw = logsoftmax_stats_backward(x, weight, labels, valid, coef, *ctx.args, m, log_s, entropy,
-                                       g1, g2, need_x, need_w, acc)
+                                       g1, g2, need_x, need_w, acc, extra_ids, e_g)
     dx = dx.view(ctx.hidden_shape) if need_x else None
     if acc is not None:
         dw = ag.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None
     elif not need_w:
         dw = None
-    return (dx, dw) + (None,) * 10
+    return (dx, dw) + (None,) * 11
 
 
 logsoftmax_stats.register_autograd(_stats_backward, setup_context=_stats_setup)

@@ -82,7 +82,7 @@ class TorchChunked(Backend):
 
     @staticmethod
     def grads(x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w,
-              dw_accumulator=None):
+              dw_accumulator=None, extra=None):
         n = x.shape[0]
         dx = torch.empty_like(x) if need_x else None
         if need_w:
@@ -91,6 +91,8 @@ class TorchChunked(Backend):
         owned = local_label >= 0
         index = local_label.clamp(min=0).unsqueeze(1)
         g_target = torch.where(owned, g1, 0.0).unsqueeze(1)
+        if extra is not None:  # a safe column, 0 added where there is none
+            e_cols, e_g = extra[0].clamp(min=0), torch.where(extra[0] >= 0, extra[1], 0.0)
         # dL/dl_j = -p_j (g1 + g2 (log p_j + H)) + g1 1[j = y]; then dz = coef * dl
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
@@ -101,6 +103,8 @@ class TorchChunked(Backend):
             z.add_(g1[start:end].unsqueeze(1)).mul_(p).neg_()
             del p
             z.scatter_add_(1, index[start:end], g_target[start:end])
+            if extra is not None:
+                z.scatter_add_(1, e_cols[start:end], e_g[start:end])
             dz = z.mul_(coef[start:end].unsqueeze(1)).to(x.dtype)  # rounded as stock rounds it
             del z
             if need_x:

@@ -233,10 +233,10 @@ if triton is not None:
 
     @triton.jit
     def _dlogits_kernel(
-        X, W, COEF, LABEL, M, LOGS, ENT, G1, G2, DZ,
-        N, V, H, v0, Vc, stride_x, stride_w, stride_dz,
+        X, W, COEF, LABEL, M, LOGS, ENT, G1, G2, DZ, EXTRA_COLS, EXTRA_G,
+        N, V, H, v0, Vc, stride_x, stride_w, stride_dz, K_EXTRA,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        USE_TMA: tl.constexpr,
+        USE_TMA: tl.constexpr, HAS_EXTRA: tl.constexpr,
     ):
         pid_v = tl.program_id(0)  # vocab tile fastest: the chunk's W stays in L2, X blocks too
         pid_n = tl.program_id(1)
@@ -265,6 +265,11 @@ if triton is not None:
         # through l = coef * z
         dl = -p * (g1[:, None] + g2[:, None] * (u + (ent - log_s)[:, None]))
         dl += tl.where(cols[None, :] == label[:, None], g1[:, None], 0.0)
+        if HAS_EXTRA:  # given ids' gradients ([N, K] columns, -1: none), as the label's
+            for k in range(0, K_EXTRA):
+                e_col = tl.load(EXTRA_COLS + rows.to(tl.int64) * K_EXTRA + k, mask=rmask, other=-1)
+                e_g = tl.load(EXTRA_G + rows.to(tl.int64) * K_EXTRA + k, mask=rmask, other=0.0)
+                dl += tl.where(cols[None, :] == e_col[:, None], e_g[:, None], 0.0)
         dz = dl * coef[:, None]
         ptr = DZ + rows[:, None].to(tl.int64) * stride_dz + cols_local[None, :]
         tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
@@ -418,7 +423,7 @@ class TritonFused(Backend):
         return merge_partials(LocalStats(parts[0], parts[1], parts[2], target))
 
     def grads(self, x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w,
-              dw_accumulator=None):
+              dw_accumulator=None, extra=None):
         n, h = x.shape
         rows = max(128, _MAIN_GRAD_BYTES // (h * (x.element_size() + 4)) // 128 * 128)
         if dw_accumulator is not None and need_x and rows < n:
@@ -428,8 +433,9 @@ class TritonFused(Backend):
             dx = torch.empty((n, h), dtype=x.dtype, device=x.device)
             for r0 in range(0, n, rows):
                 r = slice(r0, min(r0 + rows, n))
+                ext = None if extra is None else (extra[0][r], extra[1][r])
                 dx[r] = self.grads(x[r], weight, coef[r], local_label[r], m[r], log_s[r], entropy[r],
-                                   g1[r], g2[r], chunk_size, True, need_w, dw_accumulator)[0]
+                                   g1[r], g2[r], chunk_size, True, need_w, dw_accumulator, ext)[0]
             return dx, None
         v = weight.shape[0]
         tile = self.tiles.bwd
@@ -451,12 +457,17 @@ class TritonFused(Backend):
         dw = torch.empty_like(weight) if need_w and dw_accumulator is None else None
         row_blocks = triton.cdiv(n, tile.block_n)
         xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
+        if extra is not None:
+            e_cols, e_g = extra[0].contiguous(), extra[1].float().contiguous()
+        else:  # never read (HAS_EXTRA off)
+            e_cols, e_g = local_label, g1
+        k_extra = e_cols.shape[1] if extra is not None else 0
         for v0 in range(0, v, vc):
             width = min(vc, v - v0)
             _dlogits_kernel[(triton.cdiv(width, bv), row_blocks)](
-                xa, wa, coef, local_label, m, log_s, entropy, g1, g2, dz,
-                n, v, h, v0, width, x.stride(0), weight.stride(0), dz.stride(0),
-                EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch(),
+                xa, wa, coef, local_label, m, log_s, entropy, g1, g2, dz, e_cols, e_g,
+                n, v, h, v0, width, x.stride(0), weight.stride(0), dz.stride(0), k_extra,
+                EVEN_K=h % tile.block_k == 0, USE_TMA=tma, HAS_EXTRA=extra is not None, **tile.launch(),
             )
             chunk = dz[:, :width]
             if dw is not None:
