@@ -116,12 +116,12 @@ def candidate_grads(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, i
     dtype; or None with ``dw_accumulator``, a float32 tensor it is added into) of
     ``sum d_logits * logits``.
 
-    Gathered ids (:func:`gathers`): dX takes ``dz @ W[ids]``; dW an ``index_add_`` of ``dz x``
-    (float32), or, with ``fixed`` on a GPU, where ``index_add_``'s atomic adds would vary the
-    order of a row's terms between runs, the dense form. Dense (wide ``K``, or as just said): per
-    vocabulary chunk the gradient is scattered into ``[tokens, width]`` (each id once a row, so
-    the scatter is exact) and two cuBLAS products take it: dW's rows rounded once (or added into
-    the accumulator), dX summed in float32. ``fixed``: products over ``chunk_size`` tokens."""
+    dW, always, and dX for a wide ``K`` (:func:`gathers`): per vocabulary chunk the gradient is
+    scattered into ``[tokens, width]`` (each id once a row, so the scatter is exact) and cuBLAS
+    takes it: dW's rows rounded once (or added into the accumulator), so no float32 ``[V, H]``
+    buffer and no ``index_add_`` (whose atomic adds vary a row's order between runs); dX summed
+    in float32. For a narrow ``K`` dX takes ``dz @ W[ids]`` (gathered rows). ``fixed``: products
+    over ``chunk_size`` tokens."""
     n, h = x.shape
     v_local = weight.shape[0]
     owned, rows = owned_rows(ids, vocab_start, v_local)
@@ -129,7 +129,7 @@ def candidate_grads(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, i
     dz = torch.where(owned, d_logits * coef.unsqueeze(1), 0.0).to(x.dtype)
     dx = torch.zeros((n, h), dtype=torch.float32, device=x.device) if need_x else None
     gather = gathers(ids.shape[1], v_local)
-    dense_w = need_w and (not gather or (fixed and x.is_cuda))
+    dense_w = need_w  # always: no float32 [V, H] buffer, no atomic adds (run-to-run bitwise)
     dw = None
     # dense, one token block: each of dW's rows written once by a product over all the tokens
     once = dense_w and dw_accumulator is None and not fixed
@@ -146,11 +146,6 @@ def candidate_grads(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, i
             dzc, r = _chunk(dz, start, end, chunk_size, fixed, 0), _chunk(rows, start, end, chunk_size, fixed, 0)
             if need_x:
                 dx[start:end] = bmm_f32(dzc.unsqueeze(1), weight[r]).squeeze(1)[: end - start]
-            if need_w and not dense_w:
-                # not-owned entries add an exact 0 into row 0
-                xc = _chunk(x, start, end, chunk_size, fixed, 0)
-                outer = dzc.float().unsqueeze(2) * xc.float().unsqueeze(1)
-                dw.index_add_(0, r.reshape(-1), outer.reshape(-1, h))
     if dense_w or (need_x and not gather):
         for start, end in _token_blocks(n, fixed, chunk_size):
             xb = _chunk(x, start, end, chunk_size, fixed, 0)
