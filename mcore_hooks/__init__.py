@@ -41,7 +41,7 @@ postprocess, mtp and schedule_plan together):
    ``enable_output_processor``), the only module that assembles postprocess, mtp and
    schedule_plan.
 5. ``processors`` (the bundled processors) and ``integrations`` (verl, NeMo RL), which adapt the
-   protocol to the kernels.
+   protocol to the kernels; ``rollout`` (rollout engines' sampling masks as tensors, torch only).
 6. ``verify``, ``cli``, ``testing`` — tools on top of the rest.
 """
 

@@ -45,7 +45,7 @@ def test_every_public_name_is_documented():
 def test_guides_name_real_things():
     """What the guides' code blocks import from mcore_hooks exists."""
     checked = 0
-    for guide in ("index.md", "migration.md", "processors.md", "policy-loss.md", "../README.md"):
+    for guide in ("index.md", "migration.md", "processors.md", "policy-loss.md", "rollout.md", "../README.md"):
         for block in re.findall(r"```python\n(.*?)```", (DOCS / guide).read_text(), flags=re.S):
             for node in ast.walk(ast.parse(block)):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mcore_hooks"):
