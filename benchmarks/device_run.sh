@@ -9,7 +9,7 @@ what=${1:-all}
 out=${OUT:-benchmarks/out}
 mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1  # the DSL's .pth is not read under --target
 nvidia-smi -L
 rc=0
 if [ -d .cdsl1 ]; then mkdir -p /tmp/cdsl && cp .cdsl1/* /tmp/cdsl/; fi
