@@ -102,7 +102,8 @@ MTPLossFn = Callable[[MTPDepth], MTPLoss]
 
 
 def fused_mtp_loss(
-    depth: MTPDepth, *, backend: str = "auto", chunk_size: Optional[int] = None, ignore_index: int = -100
+    depth: MTPDepth, *, backend: str = "auto", chunk_size: Optional[int] = None, ignore_index: int = -100,
+    batch_invariant: bool = False,
 ) -> MTPLoss:
     """A depth's loss from the fused kernel: no ``[tokens, vocab]`` logits, acceptance from the
     same pass. No temperature: the MTP loss is a training loss on the raw (MuP-scaled) logits.
@@ -112,6 +113,8 @@ def fused_mtp_loss(
         backend: the kernels' backend (see :func:`mcore_hooks.kernels.backend_for`).
         chunk_size: tokens per chunk of the torch backend (None: its default).
         ignore_index: the label of skipped positions.
+        batch_invariant: fixed-shape token blocks (see
+            :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
 
     Returns:
         The per-token loss and acceptance.
@@ -129,7 +132,7 @@ def fused_mtp_loss(
         hidden.reshape(-1, h), weight, depth.labels.t().reshape(-1),
         logit_scale=depth.logit_scale, ignore_index=ignore_index,
         parallel=VocabParallel(depth.tp_group, depth.vocab_start, depth.sequence_parallel),
-        chunk_size=chunk_size, backend=backend, **extra,
+        chunk_size=chunk_size, backend=backend, batch_invariant=batch_invariant, **extra,
     )
     return MTPLoss((-r.logprob).view(s, b).t(), r.label_is_argmax.view(s, b).t())
 

@@ -452,3 +452,26 @@ def test_rollout_heads_fp32_matches_to_rounding_and_bf16_does_not():
     # a bf16 logit l is off by up to 2**-9 |l|: far outside the float32 bound
     assert (bf16_head - exact).abs().max() > 100 * (ours - exact).abs().max()
     assert (bf16_head - exact).abs().max() > 10 * bound.max()
+
+
+def test_positions_without_a_kept_set_count_for_nothing():
+    """Rows of -1 only (prompt and padding positions, where the rollout sampled nothing) give 0
+    and no gradient whatever their label, in debug mode and out of it, and a policy loss over
+    them stays finite (docs/rollout.md's example passes full labels and -1 rows there)."""
+    x, w, labels, ids = _data(torch.float32)
+    ids = ids.clone()
+    ids[[0, 5, 9]] = -1
+    for checks in (True, False):
+        with debug_checks(checks):
+            xg = x.clone().requires_grad_()
+            r = linear_logprob_entropy(xg, w, labels, kept_ids=ids)
+            (r.logprob.sum() + r.entropy.sum()).backward()
+        assert torch.all(r.logprob[[0, 5, 9]] == 0) and torch.all(r.entropy[[0, 5, 9]] == 0)
+        assert torch.all(xg.grad[[0, 5, 9]] == 0) and torch.isfinite(r.logprob).all()
+    tw = torch.ones(N)
+    tw[[0, 5, 9]] = 0
+    inputs = {"old_logprobs": -torch.ones(N), "advantages": torch.ones(N)}
+    xg = x.clone().requires_grad_()
+    loss = linear_policy_loss(xg, w, labels, token_weight=tw, inputs=inputs, kept_ids=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(xg.grad).all()

@@ -118,9 +118,11 @@ def linear_logprob_entropy(
         kept_ids: ``[N, K]`` integer global ids, each token's kept set (a rollout's sampling
             mask; -1 pads a row; no id twice in a row): the log-prob, entropy and ``logz`` are
             then of the distribution renormalised over the set. Only the ``K`` kept logits are
-            made (a gather of ``K`` weight rows a token), not a pass over the vocabulary. A
-            counted token whose label is not in its set is bad input: an error where values
-            are checked, else NaN there.
+            made: for ``K <= V / 1024`` a gather of ``K`` weight rows a token, no pass over the
+            vocabulary; wider, the ids' columns of one dense product. A row of -1 only (a
+            prompt or padding position) gives 0 and no gradient. A counted token whose label is
+            not in its non-empty set, or a repeated id, is bad input: an error where values are
+            checked; unchecked, the label gives NaN and a repeated id counts twice.
         truncation: a :class:`Truncation` (top-k, top-p, min-p) recomputed from these logits:
             the kept set is then the truncation's (plus the label), found in one pass over
             the vocabulary (the torch backend's, whatever ``backend`` says: the Triton tiles
@@ -132,8 +134,11 @@ def linear_logprob_entropy(
         batch_invariant: run every pass on fixed-shape blocks of 2048 tokens
             (:mod:`.invariant`): each token's results and its row of the hidden states' gradient
             are then bitwise independent of the other tokens in the call, of their number and of
-            the chunking; the blocks' weight gradients go into one float32 buffer in order
-            (``main_grad``: block-aligned micro-batches add the same bits as the whole call).
+            the chunking (with ``kept_ids`` / ``selected_ids``, for a fixed width ``K``; under
+            tensor parallelism of 2 ranks at most: beyond, a collective's reduction order
+            depends on its message size); the blocks' weight gradients go into one float32
+            buffer in order (``main_grad``: block-aligned micro-batches add the same bits as the
+            whole call).
             ``benchmarks/RESULTS.md`` has the cost.
 
     Returns:
@@ -283,8 +288,11 @@ def linear_cross_entropy(
         batch_invariant: run every pass on fixed-shape blocks of 2048 tokens
             (:mod:`.invariant`): each token's results and its row of the hidden states' gradient
             are then bitwise independent of the other tokens in the call, of their number and of
-            the chunking; the blocks' weight gradients go into one float32 buffer in order
-            (``main_grad``: block-aligned micro-batches add the same bits as the whole call).
+            the chunking (with ``kept_ids`` / ``selected_ids``, for a fixed width ``K``; under
+            tensor parallelism of 2 ranks at most: beyond, a collective's reduction order
+            depends on its message size); the blocks' weight gradients go into one float32
+            buffer in order (``main_grad``: block-aligned micro-batches add the same bits as the
+            whole call).
             ``benchmarks/RESULTS.md`` has the cost.
 
     Returns:
@@ -363,13 +371,16 @@ def linear_policy_loss(
             into the accumulator there). Unused with a kept set.
         kept_ids, truncation: as :func:`linear_logprob_entropy`'s: the loss takes the
             log-probs and entropies renormalised over each token's kept set. Only the kept
-            logits are made (with ``kept_ids``, no pass over the vocabulary), so the terms are
-            differentiated by autograd through them and the gradients formed in the backward.
+            logits are made, so the terms are differentiated by autograd through them and the
+            gradients formed in the backward. Positions of weight 0 add no term.
         batch_invariant: run every pass on fixed-shape blocks of 2048 tokens
             (:mod:`.invariant`): each token's results and its row of the hidden states' gradient
             are then bitwise independent of the other tokens in the call, of their number and of
-            the chunking; the blocks' weight gradients go into one float32 buffer in order
-            (``main_grad``: block-aligned micro-batches add the same bits as the whole call).
+            the chunking (with ``kept_ids`` / ``selected_ids``, for a fixed width ``K``; under
+            tensor parallelism of 2 ranks at most: beyond, a collective's reduction order
+            depends on its message size); the blocks' weight gradients go into one float32
+            buffer in order (``main_grad``: block-aligned micro-batches add the same bits as the
+            whole call).
             ``benchmarks/RESULTS.md`` has the cost.
 
     Returns:
@@ -402,7 +413,7 @@ def linear_policy_loss(
             batch_invariant=batch_invariant)
         ent = r.entropy if fn.needs_entropy else None
         terms = fn.bind(tw, tensors, p.valid).terms(slice(0, p.n), r.logprob, ent)
-        total = torch.where(p.valid, terms, 0.0).sum()
+        total = torch.where(p.valid & (tw != 0), terms, 0.0).sum()  # weight 0: no term, even NaN
         return PolicyLossResult(total, r.logprob.detach(),
                                 r.entropy.detach() if fn.needs_entropy else torch.zeros_like(r.logprob))
     # exactly PolicyLoss (a subclass may change the formula the op would rebuild from the fields)

@@ -1,12 +1,14 @@
 """A few given vocabulary ids per token (a rollout's kept set, a teacher's top-k, a recomputed
 top-k): their logits by gathering the ids' weight rows, and the distributions over them.
 
-``K`` dot products a token instead of a pass over the vocabulary: the logits of ``ids [N, K]``
-are ``coef * (x @ W[ids].T)``, made in token chunks of ``[chunk, K, H]`` gathered rows (input
-dtype, float32 products), never ``[N, V]``. Their gradient is the same gather: dX takes
-``dz @ W[ids]``, dW an ``index_add_`` of ``dz x`` into the ids' rows. Under tensor parallelism
-each rank makes the logits of the ids in its vocabulary shard and 0 for the others, and the
-ops sum them over the group: each id is owned by exactly one rank, so the sum is exact.
+For a narrow set (``K <= V / 1024``, :func:`gathers`), ``K`` dot products a token instead of a
+pass over the vocabulary: the logits of ``ids [N, K]`` are ``coef * (x @ W[ids].T)``, made in
+token chunks of ``[chunk, K, H]`` gathered rows (input dtype, float32 products), and dX takes
+``dz @ W[ids]``. For a wider one, the ids' columns of a dense product per vocabulary chunk. dW is
+always the dense form: the gradient scattered per vocabulary chunk, one cuBLAS product (no
+``[N, V]`` tensor in either form). Under tensor parallelism each rank makes the logits of the
+ids in its vocabulary shard and 0 for the others, and the ops sum them over the group: each id is
+owned by exactly one rank, so the sum is exact.
 
 A padded id is ``-1``. The distributions over the ids (renormalised log-probs and entropy, a
 recomputed truncation's selection) are ``[N, K]`` float32 torch, differentiated by autograd.
@@ -21,6 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .debug import check_values
+from .invariant import BLOCK
 from .matmul import addmm_f32_, bmm_f32, mm_f32
 
 # Elements of one chunk's gathered rows as float32 products ([chunk, K, H]; 256 MiB).
@@ -84,14 +87,15 @@ def candidate_logits(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, 
                      vocab_start: int, chunk_size: int, fixed: bool = False) -> torch.Tensor:
     """Float32 ``[N, K]`` logits ``coef * x . W[id]`` of the ids this rank owns, 0 elsewhere:
     gathered, or for a wide ``K`` (:func:`gathers`) the columns of a dense product over the
-    vocabulary. ``fixed`` (batch invariance): every product over ``chunk_size`` tokens (padded)."""
+    vocabulary. ``fixed`` (batch invariance): every product over a fixed number of tokens
+    (padded): ``chunk_size`` for the gather, the invariant mode's block for the dense product."""
     n, k = ids.shape
     v_local = weight.shape[0]
     owned, rows = owned_rows(ids, vocab_start, v_local)
     out = torch.zeros((n, k), dtype=torch.float32, device=x.device)
     if not gathers(k, v_local):
-        for start, end in _token_blocks(n, fixed, chunk_size):
-            xb = _chunk(x, start, end, chunk_size, fixed, 0)
+        for start, end in _token_blocks(n, fixed, BLOCK):
+            xb = _chunk(x, start, end, BLOCK, fixed, 0)
             o = out[start:end]
             for v0, v1 in _vocab_chunks(xb.shape[0], v_local, 4):
                 z = mm_f32(xb, weight[v0:v1].t())[: end - start]
@@ -120,8 +124,9 @@ def candidate_grads(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, i
     scattered into ``[tokens, width]`` (each id once a row, so the scatter is exact) and cuBLAS
     takes it: dW's rows rounded once (or added into the accumulator), so no float32 ``[V, H]``
     buffer and no ``index_add_`` (whose atomic adds vary a row's order between runs); dX summed
-    in float32. For a narrow ``K`` dX takes ``dz @ W[ids]`` (gathered rows). ``fixed``: products
-    over ``chunk_size`` tokens."""
+    in float32. For a narrow ``K`` dX takes ``dz @ W[ids]`` (gathered rows). ``fixed``: the
+    gathers over ``chunk_size`` tokens, the dense products over blocks of the batch-invariant
+    mode's tokens, each padded."""
     n, h = x.shape
     v_local = weight.shape[0]
     owned, rows = owned_rows(ids, vocab_start, v_local)
@@ -147,10 +152,10 @@ def candidate_grads(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, i
             if need_x:
                 dx[start:end] = bmm_f32(dzc.unsqueeze(1), weight[r]).squeeze(1)[: end - start]
     if dense_w or (need_x and not gather):
-        for start, end in _token_blocks(n, fixed, chunk_size):
-            xb = _chunk(x, start, end, chunk_size, fixed, 0)
-            dzb = _chunk(dz, start, end, chunk_size, fixed, 0)
-            rb, ob = _chunk(rows, start, end, chunk_size, fixed, 0), _chunk(owned, start, end, chunk_size, fixed, False)
+        for start, end in _token_blocks(n, fixed, BLOCK):
+            xb = _chunk(x, start, end, BLOCK, fixed, 0)
+            dzb = _chunk(dz, start, end, BLOCK, fixed, 0)
+            rb, ob = _chunk(rows, start, end, BLOCK, fixed, 0), _chunk(owned, start, end, BLOCK, fixed, False)
             dxb = torch.zeros((xb.shape[0], h), dtype=torch.float32, device=x.device) if need_x and not gather else None
             for v0, v1 in _vocab_chunks(xb.shape[0], v_local, x.element_size()):
                 inside, cols = _inside(rb, ob, v0, v1)
@@ -209,7 +214,7 @@ def check_kept_ids(ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
     if bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any()):
         raise ValueError(f"{what}: an id is repeated within a token's row (each is counted once)")
     found, _ = label_columns(ids, labels)
-    missing = valid & ~found
+    missing = valid & ~found & (ids >= 0).any(dim=1)  # an empty row: a position not sampled
     if bool(missing.any()):
         i = int(missing.nonzero()[0])
         raise ValueError(
@@ -221,11 +226,14 @@ def check_kept_ids(ids: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
 def kept_stats(logits: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor,
                valid: torch.Tensor) -> KeptStats:
     """Log-prob of the label and entropy of ``softmax`` over each token's kept ids (``ids >= 0``),
-    differentiable in ``logits [N, K]`` (float32). Ignored tokens give 0; a counted token whose
-    label is not kept gives NaN (bad input, refused where values are checked)."""
+    differentiable in ``logits [N, K]`` (float32). Ignored tokens and tokens whose row is empty
+    (all -1: a prompt or padding position, which the rollout did not sample) give 0 and no
+    gradient; a token whose non-empty row lacks its label gives NaN (bad input, refused where
+    values are checked)."""
     keep = ids >= 0
-    # a row with nothing kept (an ignored position) becomes one kept 0 logit: finite, then zeroed
+    # a row with nothing kept becomes one kept 0 logit: finite, then zeroed
     empty = ~keep.any(dim=1, keepdim=True)
+    valid = valid & ~empty.squeeze(1)
     first = torch.zeros_like(keep)
     first[:, 0] = True
     keep = keep | (empty & first)

@@ -150,11 +150,12 @@ class _FusedProcessor(PostprocessProcessor):
 
     def mtp_loss(self, depth: MTPDepth) -> MTPLoss:
         """The multi-token-prediction depths' loss (:mod:`mcore_hooks.mtp`): the fused
-        cross-entropy kernel with this processor's ``backend``, ``chunk_size`` and
-        ``ignore_index``, no temperature (MTP's loss is a training loss), acceptance from the
+        cross-entropy kernel with this processor's ``backend``, ``chunk_size``,
+        ``ignore_index`` and ``batch_invariant``, no temperature (MTP's loss is a training loss), acceptance from the
         same pass. No depth builds ``[tokens, vocab]`` logits."""
         return fused_mtp_loss(
-            depth, backend=self.backend, chunk_size=self.chunk_size, ignore_index=self.ignore_index
+            depth, backend=self.backend, chunk_size=self.chunk_size, ignore_index=self.ignore_index,
+            batch_invariant=self.batch_invariant,
         )
 
     def temperature_for(self, ctx: PostprocessContext) -> Union[float, torch.Tensor]:
@@ -707,9 +708,12 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
         seq, num_sequences = sequence_index(b, s, ctx.packed_seq_params, k.hidden.device, ctx.cp_size)
         token_weight = aggregation_weights(counted, self.aggregation, sequence_ids=seq.t().reshape(-1),
                                            num_sequences=num_sequences, group=_cp_group(ctx))
-        log_p = teacher.detach().float().transpose(0, 1).reshape(b * s, -1)
-        keep = (ids >= 0) & (counted != 0).unsqueeze(1)
-        log_p = torch.where(keep, log_p, 0.0)  # padding and positions that do not count: no term
+        log_p = teacher.detach().to(device=k.hidden.device, dtype=torch.float32)
+        log_p = log_p.transpose(0, 1).reshape(b * s, -1)
+        ids = ids.to(k.hidden.device)
+        # padding, positions that do not count, and ids of teacher probability 0: no term
+        keep = (ids >= 0) & (counted != 0).unsqueeze(1) & (log_p > -math.inf)
+        log_p = torch.where(keep, log_p, 0.0)
         kl = torch.where(keep, log_p.exp() * (log_p - r.selected), 0.0).sum(dim=1)
         if self.clamp_min is not None:
             kl = kl.clamp(min=self.clamp_min)
