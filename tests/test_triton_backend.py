@@ -463,12 +463,13 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
     fwd = dict(ptr, M="*fp32", S="*fp32", A="*fp32", N="i32", V="i32", H="i32", stride_x="i32",
                stride_w="i32", tiles_per_split="i32", splits="i32")
     bwd = dict(ptr, LABEL="*i64", M="*fp32", LOGS="*fp32", ENT="*fp32", G1="*fp32", G2="*fp32",
-               DZ="*bf16", N="i32", V="i32", H="i32", v0="i32", Vc="i32", stride_x="i32",
-               stride_w="i32", stride_dz="i32")
+               DZ="*bf16", EXTRA_COLS="*i64", EXTRA_G="*fp32", N="i32", V="i32", H="i32", v0="i32",
+               Vc="i32", stride_x="i32", stride_w="i32", stride_dz="i32", K_EXTRA="i32")
     flags = dict(EVEN_K=True, USE_TMA=False)
     return [
         _compiled_shared_memory(triton_fused._stats_fwd_kernel, fwd, flags, capability, tiles.fwd),
-        _compiled_shared_memory(triton_fused._dlogits_kernel, bwd, flags, capability, tiles.bwd),
+        *(_compiled_shared_memory(triton_fused._dlogits_kernel, bwd, dict(flags, HAS_EXTRA=extra),
+                                  capability, tiles.bwd) for extra in (False, True)),
     ]
 
 
