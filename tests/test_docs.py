@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -54,3 +55,53 @@ def test_guides_name_real_things():
                         assert hasattr(module, alias.name), (guide, node.module, alias.name)
                         checked += 1
     assert checked >= 8
+
+
+def _documented_callables():
+    """Every documented name, and the public methods the reference renders with it."""
+    for dotted in _documented():
+        obj = _resolve(dotted)
+        yield dotted, obj
+        if inspect.isclass(obj):
+            for name, member in vars(obj).items():
+                if not name.startswith("_") and callable(member):
+                    yield f"{dotted}.{name}", member
+
+
+def _arg_names(doc: str) -> list[str]:
+    """The names a Google-style ``Args:`` section documents (its entries' first words)."""
+    names = []
+    lines = inspect.cleandoc(doc).splitlines()
+    for i, line in enumerate(lines):
+        if line.strip() != "Args:":
+            continue
+        indent = None
+        for entry in lines[i + 1:]:
+            if not entry.strip():
+                break
+            width = len(entry) - len(entry.lstrip())
+            indent = width if indent is None else indent
+            if width < indent:
+                break
+            if width == indent:
+                names.append(entry.strip().split(":", 1)[0].split(" (", 1)[0].lstrip("*"))
+    return names
+
+
+def test_docstring_args_name_real_parameters():
+    """mkdocs --strict (in CI, after every test family) refuses an ``Args:`` entry that is not
+    one parameter of the signature, such as ``a, b: ...``: caught here in seconds instead."""
+    checked = 0
+    for dotted, obj in _documented_callables():
+        target = obj.__init__ if inspect.isclass(obj) else obj  # merge_init_into_class
+        doc = inspect.getdoc(obj) or ""
+        if inspect.isclass(obj) and target.__doc__:
+            doc += "\n\n" + inspect.getdoc(target)
+        try:
+            params = set(inspect.signature(target).parameters)
+        except (TypeError, ValueError):  # a builtin without a signature documents no Args
+            continue
+        for name in _arg_names(doc):
+            assert name in params, f"{dotted}: Args entry {name!r} is not a parameter {sorted(params)}"
+            checked += 1
+    assert checked >= 50

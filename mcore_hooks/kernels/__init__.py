@@ -369,10 +369,12 @@ def linear_policy_loss(
         upstream_grad: as :func:`linear_cross_entropy`'s (with an accumulator, the loss's
             gradient declared in advance: gradients formed in the forward, the weight's added
             into the accumulator there). Unused with a kept set.
-        kept_ids, truncation: as :func:`linear_logprob_entropy`'s: the loss takes the
-            log-probs and entropies renormalised over each token's kept set. Only the kept
-            logits are made, so the terms are differentiated by autograd through them and the
-            gradients formed in the backward. Positions of weight 0 add no term.
+        kept_ids: as :func:`linear_logprob_entropy`'s: the loss takes the log-probs and
+            entropies renormalised over each token's kept set. Only the kept logits are made,
+            so the terms are differentiated by autograd through them and the gradients formed
+            in the backward. Positions of weight 0 add no term.
+        truncation: as :func:`linear_logprob_entropy`'s, the kept set recomputed from the
+            trainer's own logits; the loss uses it as ``kept_ids``.
         batch_invariant: run every pass on fixed-shape blocks of 2048 tokens
             (:mod:`.invariant`): each token's results and its row of the hidden states' gradient
             are then bitwise independent of the other tokens in the call, of their number and of

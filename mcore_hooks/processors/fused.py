@@ -604,8 +604,11 @@ class SelectedLogprobProcessor(_FusedProcessor):
 
     Args:
         with_label: also return the labels' log-probs.
-        temperature, ignore_index, chunk_size, backend, batch_invariant: as
-            :class:`FusedLogprobProcessor`'s.
+        temperature: as :class:`FusedLogprobProcessor`'s.
+        ignore_index: as :class:`FusedLogprobProcessor`'s.
+        chunk_size: as :class:`FusedLogprobProcessor`'s.
+        backend: as :class:`FusedLogprobProcessor`'s.
+        batch_invariant: as :class:`FusedLogprobProcessor`'s.
     """
 
     def __init__(
@@ -662,8 +665,11 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
             ``seq-mean-token-mean``.
         clamp_min: the per-token KL's lower clamp (None: none; verl: 0.0).
         as_tuple: return the tuple instead of the dict.
-        temperature, ignore_index, chunk_size, backend, batch_invariant: as
-            :class:`FusedLogprobProcessor`'s.
+        temperature: as :class:`FusedLogprobProcessor`'s.
+        ignore_index: as :class:`FusedLogprobProcessor`'s.
+        chunk_size: as :class:`FusedLogprobProcessor`'s.
+        backend: as :class:`FusedLogprobProcessor`'s.
+        batch_invariant: as :class:`FusedLogprobProcessor`'s.
     """
 
     def __init__(
