@@ -193,7 +193,7 @@ def _op_samples():
         "logsoftmax_stats": (ops.logsoftmax_stats, common + (None, False)),
         "logsoftmax_stats-extra-ids": (ops.logsoftmax_stats, common + (None, False, ids)),
         "logsoftmax_stats_backward-extra-ids": (ops.logsoftmax_stats_backward,
-                                                backward + (None, ids, torch.randn(n, 3))),
+                                                backward + (None, ids, torch.randn(n, 3), torch.randn(n, 3))),
         "logsoftmax_stats-accumulator": (ops.logsoftmax_stats, common + (acc, True)),
         "logsoftmax_stats_backward": (ops.logsoftmax_stats_backward, backward + (None,)),
         "logsoftmax_stats_backward-accumulator": (ops.logsoftmax_stats_backward, backward + (acc.clone(),)),

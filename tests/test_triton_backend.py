@@ -103,11 +103,13 @@ def test_triton_matches_torch_backend_and_float64(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+# the last: 3 ids and the label a token over 4200 words are gathered (4 * 1024 <= V: the
+# Triton dot kernel); the others' logits come from dense products
+@pytest.mark.parametrize("shape", SHAPES + [(33, 300, 4200)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("invariant", [False, True], ids=["plain", "batch-invariant"])
 def test_triton_selected_ids_match_torch_backend_and_float64(shape, dtype, invariant):
-    """The given ids' gradients folded into the Triton logit-gradient kernel (``extra``) as into
-    the torch backend's: values and gradients against float64 and the torch backend."""
+    """The given ids' gradients written over the Triton logit-gradient tiles (``extra``), and
+    added in the torch backend's: values and gradients against float64 and the torch backend."""
     n, h, v = shape
     g = torch.Generator().manual_seed(n + v + 1)
     x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
@@ -115,6 +117,8 @@ def test_triton_selected_ids_match_torch_backend_and_float64(shape, dtype, invar
     labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
     ids = torch.randint(0, v, (n, 3), generator=g).to(DEVICE)
     ids[0, 1] = -1
+    if n > 2:  # a repeated id (its gradients add) and the label among the ids
+        ids[1, 2], ids[2, 0] = ids[1, 0], labels[2]
     coeffs = torch.randn(n, 3, generator=g).to(DEVICE)
 
     def run(backend):
@@ -463,13 +467,12 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
     fwd = dict(ptr, M="*fp32", S="*fp32", A="*fp32", N="i32", V="i32", H="i32", stride_x="i32",
                stride_w="i32", tiles_per_split="i32", splits="i32")
     bwd = dict(ptr, LABEL="*i64", M="*fp32", LOGS="*fp32", ENT="*fp32", G1="*fp32", G2="*fp32",
-               DZ="*bf16", EXTRA_COLS="*i64", EXTRA_G="*fp32", N="i32", V="i32", H="i32", v0="i32",
-               Vc="i32", stride_x="i32", stride_w="i32", stride_dz="i32", K_EXTRA="i32")
+               DZ="*bf16", N="i32", V="i32", H="i32", v0="i32", Vc="i32", stride_x="i32",
+               stride_w="i32", stride_dz="i32")
     flags = dict(EVEN_K=True, USE_TMA=False)
     return [
         _compiled_shared_memory(triton_fused._stats_fwd_kernel, fwd, flags, capability, tiles.fwd),
-        *(_compiled_shared_memory(triton_fused._dlogits_kernel, bwd, dict(flags, HAS_EXTRA=extra),
-                                  capability, tiles.bwd) for extra in (False, True)),
+        _compiled_shared_memory(triton_fused._dlogits_kernel, bwd, flags, capability, tiles.bwd),
     ]
 
 

@@ -181,17 +181,26 @@ class Backend:
     ) -> LocalStats:
         raise NotImplementedError
 
+    def gathered_dots(
+        self, x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor
+    ) -> Optional[torch.Tensor]:
+        """Float32 ``[N, K]`` ``x_i . W[rows_ik]`` (``rows`` valid row indices), each dot's
+        reduction order fixed by the backend alone; None where the backend has no kernel for
+        it (the caller gathers the rows and multiplies them in torch)."""
+        return None
+
     def grads(
         self, x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor,
         m: torch.Tensor, log_s: torch.Tensor, entropy: torch.Tensor, g_logprob: torch.Tensor,
         g_entropy: torch.Tensor, chunk_size: int, need_x: bool, need_w: bool,
         dw_accumulator: Optional[torch.Tensor] = None,
-        extra: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        extra: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """dX, and dW (or None with ``dw_accumulator``, a float32 tensor dW is added into).
-        ``extra``: ``(columns [N, K], g [N, K])``, more terms of the logit gradient, ``g`` added
-        at each column of this shard (-1: none), as the label's ``g_logprob`` is: the gradient
-        of given ids' logits (``selected_ids``), folded into the same products."""
+        ``extra``: ``(columns [N, K], g [N, K], logits [N, K])``, more terms of the logit
+        gradient, ``g`` added at each column of this shard (-1: none), as the label's
+        ``g_logprob`` is: the gradient of given ids' logits (``selected_ids``), folded into the
+        same products. ``logits`` are the forward's float32 ``coef * x . W[id]`` of the ids."""
         raise NotImplementedError
 
     def row_stats(

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -84,11 +84,15 @@ def _inside(rows: torch.Tensor, owned: torch.Tensor, v0: int, v1: int) -> tuple[
 
 
 def candidate_logits(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, ids: torch.Tensor,
-                     vocab_start: int, chunk_size: int, fixed: bool = False) -> torch.Tensor:
+                     vocab_start: int, chunk_size: int, fixed: bool = False,
+                     dots: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                             Optional[torch.Tensor]]] = None) -> torch.Tensor:
     """Float32 ``[N, K]`` logits ``coef * x . W[id]`` of the ids this rank owns, 0 elsewhere:
     gathered, or for a wide ``K`` (:func:`gathers`) the columns of a dense product over the
     vocabulary. ``fixed`` (batch invariance): every product over a fixed number of tokens
-    (padded): ``chunk_size`` for the gather, the invariant mode's block for the dense product."""
+    (padded): ``chunk_size`` for the gather, the invariant mode's block for the dense product.
+    ``dots``: a backend's gathered dot products (``Backend.gathered_dots``), used for the
+    gather where it gives them (per token: invariant as they are)."""
     n, k = ids.shape
     v_local = weight.shape[0]
     owned, rows = owned_rows(ids, vocab_start, v_local)
@@ -103,6 +107,9 @@ def candidate_logits(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, 
                 o.copy_(torch.where(inside, z.gather(1, cols), o))
             o.mul_(coef[start:end].unsqueeze(1))
         return out
+    z = dots(x, weight, rows) if dots is not None else None
+    if z is not None:
+        return torch.where(owned, z.mul_(coef.unsqueeze(1)), 0.0)
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         r = _chunk(rows, start, end, chunk_size, fixed, 0)

@@ -76,6 +76,9 @@ class InvariantBlocks(Backend):
             parts.append([t[: e - s] for t in st])
         return LocalStats(*(torch.cat(ts) for ts in zip(*parts)))
 
+    def gathered_dots(self, x, weight, rows):
+        return self.inner.gathered_dots(x, weight, rows)  # per token already: invariant
+
     def grads(self, x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x,
               need_w, dw_accumulator=None, extra=None):
         b = self.block
@@ -85,7 +88,8 @@ class InvariantBlocks(Backend):
         dx = torch.empty_like(x) if need_x else None
         for s, e in blocks(x.shape[0], b):
             pad = [padded(t[s:e], b, 0.0) for t in (m, log_s, entropy, g1, g2)]
-            ext = None if extra is None else (padded(extra[0][s:e], b, -1), padded(extra[1][s:e], b, 0.0))
+            ext = None if extra is None else tuple(
+                padded(t[s:e], b, fill) for t, fill in zip(extra, (-1, 0.0, 0.0)))
             dxb, _ = self.inner.grads(padded(x[s:e], b, 0), weight, padded(coef[s:e], b, 1.0),
                                       padded(local_label[s:e], b, -1), *pad, chunk_size, need_x,
                                       need_w, acc if need_w else None, ext)

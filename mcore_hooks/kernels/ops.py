@@ -94,7 +94,8 @@ def logsoftmax_stats(
     pg = _group(group)
     x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
     local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
-    local = _backend(backend, hidden.device).local_stats(x, weight, coef, local_label, chunk_size)
+    impl = _backend(backend, hidden.device)
+    local = impl.local_stats(x, weight, coef, local_label, chunk_size)
     st = ag.combine(local, pg)
     logprob = torch.where(valid, st.logprob(), 0.0)
     entropy = torch.where(valid, st.entropy, 0.0)
@@ -102,7 +103,7 @@ def logsoftmax_stats(
     if extra_ids is not None:
         extra = cand.candidate_logits(x, weight, coef, extra_ids, vocab_start,
                                       cand.gather_chunk_size(extra_ids.shape[1], x.shape[1]),
-                                      invariant(backend))
+                                      invariant(backend), impl.gathered_dots)
         ag.all_reduce(extra, torch.distributed.ReduceOp.SUM, pg)  # each id on one rank: exact
     return (logprob, entropy, st.max + st.log_s, valid & ag.label_is_row_max(st), st.max, st.log_s,
             x if sequence_parallel else _nothing(hidden), extra)
@@ -124,16 +125,17 @@ def logsoftmax_stats_backward(
     group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str, m: Tensor,
     log_s: Tensor, entropy: Tensor, g_logprob: Tensor, g_entropy: Tensor, need_x: bool,
     need_w: bool, accumulator: Optional[Tensor], extra_ids: Optional[Tensor] = None,
-    extra_g: Optional[Tensor] = None,
+    extra_g: Optional[Tensor] = None, extra_logits: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """``(dX, dW)`` of ``sum g_logprob * logprob + g_entropy * entropy`` (``x`` all tokens; dX
     reduced over the group, this rank's shard under sequence parallelism); empty where not
-    asked for, or dW where it went into ``accumulator``."""
+    asked for, or dW where it went into ``accumulator``. ``extra_g``: the gradient of the
+    ``extra_ids``' logits, ``extra_logits`` (the forward's) with them."""
     local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
     extra = None
     if extra_ids is not None and extra_g is not None:
         owned, cols = cand.owned_rows(extra_ids, vocab_start, weight.shape[0])
-        extra = (torch.where(owned, cols, -1), extra_g)
+        extra = (torch.where(owned, cols, -1), extra_g, extra_logits)
     dx, dw = _backend(backend, x.device).grads(
         x, weight, coef, local_label, m, log_s, entropy, g_logprob, g_entropy, chunk_size, need_x,
         need_w, accumulator if need_w else None, extra)
@@ -145,7 +147,7 @@ def logsoftmax_stats_backward(
 @logsoftmax_stats_backward.register_fake
 def _(x, weight, labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
       m, log_s, entropy, g_logprob, g_entropy, need_x, need_w, accumulator, extra_ids=None,
-      extra_g=None):
+      extra_g=None, extra_logits=None):
     rows = x.shape[0] // _fake_group_size(group) if sequence_parallel else x.shape[0]
     dx = x.new_empty((rows, x.shape[1])) if need_x else _nothing(x)
     dw = weight.new_empty(weight.shape) if need_w and accumulator is None else _nothing(weight)
@@ -159,14 +161,14 @@ def _fake_group_size(name: Optional[str]) -> int:
 def _stats_setup(ctx, inputs, output):
     (hidden, weight, labels, valid, coef, vocab_start, group, sp, chunk_size, backend, accumulator,
      placeholder) = inputs[:12]
-    _, entropy, logz, _, m, log_s, gathered, _ = output
+    _, entropy, logz, _, m, log_s, gathered, extra = output
     # only the log-prob and entropy carry gradients; the rest are for the backward or detached
     # by contract (and no zeros are made for the gradients of outputs the loss did not use)
     ctx.mark_non_differentiable(logz, m, log_s, gathered)
     ctx.set_materialize_grads(False)
     extra_ids = inputs[12] if len(inputs) > 12 else None
     ctx.save_for_backward(gathered if sp else hidden, weight, labels, valid, coef, m, log_s, entropy,
-                          extra_ids)
+                          extra_ids, extra)
     ctx.args = (vocab_start, group, sp, chunk_size, backend)
     # not saved: it is written between this forward and its backward by design (other
     # micro-batches' backwards), which save_for_backward's version check would refuse
@@ -175,7 +177,7 @@ def _stats_setup(ctx, inputs, output):
 
 
 def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gathered, d_extra):
-    x, weight, labels, valid, coef, m, log_s, entropy, extra_ids = ctx.saved_tensors
+    x, weight, labels, valid, coef, m, log_s, entropy, extra_ids, extra = ctx.saved_tensors
     accumulator = ctx.accumulator
     zero = torch.zeros_like(m)
     g1 = torch.where(valid, d_logprob.float(), zero) if d_logprob is not None else zero
@@ -184,7 +186,8 @@ def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gather
     acc = accumulator if need_w else None
     e_g = d_extra.float() if d_extra is not None and extra_ids is not None else None
     dx, dw = logsoftmax_stats_backward(x, weight, labels, valid, coef, *ctx.args, m, log_s, entropy,
-                                       g1, g2, need_x, need_w, acc, extra_ids, e_g)
+                                       g1, g2, need_x, need_w, acc, extra_ids, e_g,
+                                       extra if e_g is not None else None)
     dx = dx.view(ctx.hidden_shape) if need_x else None
     if acc is not None:
         dw = ag.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None

@@ -137,6 +137,10 @@ _ROW_BLOCK = 4096
 # Fewest vocab splits of the forward grid: 4 measured fastest with TMA loads (32.9 ms, against
 # 35.1 at 8; benchmarks/profile_h200_tma.log).
 _MIN_SPLITS = 4
+# The given ids' gradient kernels: [rows, ids] per program (small: they touch N x K entries).
+_GIVEN_ROWS, _GIVEN_COLS = 32, 32
+# Weight rows a program of the gathered dot products reads ([16, 256] float32 products).
+_DOT_ROWS = 16
 # Tensor descriptors (Hopper's bulk copy engine) instead of pointer loads, where the tiles allow:
 # forward 32.9 ms vs 37.1, logit-gradient kernel 33.3 ms vs 38.8 at 16384 x 4096 x 151936.
 _USE_TMA = True
@@ -233,10 +237,10 @@ if triton is not None:
 
     @triton.jit
     def _dlogits_kernel(
-        X, W, COEF, LABEL, M, LOGS, ENT, G1, G2, DZ, EXTRA_COLS, EXTRA_G,
-        N, V, H, v0, Vc, stride_x, stride_w, stride_dz, K_EXTRA,
+        X, W, COEF, LABEL, M, LOGS, ENT, G1, G2, DZ,
+        N, V, H, v0, Vc, stride_x, stride_w, stride_dz,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        USE_TMA: tl.constexpr, HAS_EXTRA: tl.constexpr,
+        USE_TMA: tl.constexpr,
     ):
         pid_v = tl.program_id(0)  # vocab tile fastest: the chunk's W stays in L2, X blocks too
         pid_n = tl.program_id(1)
@@ -265,15 +269,75 @@ if triton is not None:
         # through l = coef * z
         dl = -p * (g1[:, None] + g2[:, None] * (u + (ent - log_s)[:, None]))
         dl += tl.where(cols[None, :] == label[:, None], g1[:, None], 0.0)
-        if HAS_EXTRA:  # given ids' gradients ([N, K] columns, -1: none), as the label's
-            for k in range(0, K_EXTRA):
-                e_col = tl.load(EXTRA_COLS + rows.to(tl.int64) * K_EXTRA + k, mask=rmask, other=-1)
-                e_g = tl.load(EXTRA_G + rows.to(tl.int64) * K_EXTRA + k, mask=rmask, other=0.0)
-                dl += tl.where(cols[None, :] == e_col[:, None], e_g[:, None], 0.0)
         dz = dl * coef[:, None]
         ptr = DZ + rows[:, None].to(tl.int64) * stride_dz + cols_local[None, :]
         tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
+
+    # Given ids' columns of the logit gradient (``selected_ids``: their logits' gradients g).
+    # The tiles leave them out: a K-wide compare over every tile cost a third of the backward,
+    # for K entries a row. Their values are made once from the forward's float32 logits of the
+    # ids, by the tiles' formula, then written over each vocabulary chunk's tiles.
+    @triton.jit
+    def _given_dlogits_kernel(
+        COLS, G, L, COEF, LABEL, M, LOGS, ENT, G1, G2, OUT, N, K,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        rmask = rows < N
+        mask = rmask[:, None] & (ks < K)[None, :]
+        at = rows.to(tl.int64)[:, None] * K + ks[None, :]
+        cols = tl.load(COLS + at, mask=mask, other=-1)
+        coef = tl.load(COEF + rows, mask=rmask, other=1.0)
+        m = tl.load(M + rows, mask=rmask, other=0.0)
+        log_s = tl.load(LOGS + rows, mask=rmask, other=0.0)
+        ent = tl.load(ENT + rows, mask=rmask, other=0.0)
+        g1 = tl.load(G1 + rows, mask=rmask, other=0.0)
+        g2 = tl.load(G2 + rows, mask=rmask, other=0.0)
+        label = tl.load(LABEL + rows, mask=rmask, other=-1)
+        u = tl.load(L + at, mask=mask, other=0.0) - m[:, None]
+        p = tl.exp2(u * 1.4426950408889634 - (log_s * 1.4426950408889634)[:, None])
+        dl = -p * (g1[:, None] + g2[:, None] * (u + (ent - log_s)[:, None]))
+        dl += tl.where(cols == label[:, None], g1[:, None], 0.0)
+        for j in range(0, K):  # every entry naming the column (ids may repeat), in order
+            c = tl.load(COLS + rows.to(tl.int64) * K + j, mask=rmask, other=-1)
+            g = tl.load(G + rows.to(tl.int64) * K + j, mask=rmask, other=0.0)
+            dl += tl.where(cols == c[:, None], g[:, None], 0.0)
+        tl.store(OUT + at, (dl * coef[:, None]).to(OUT.dtype.element_ty), mask=mask)
+
+    # x_i . W[rows_ik] for given rows (``selected_ids``' logits): one token and BLOCK_K of its
+    # rows a program, float32 products summed in one fixed order (batch-invariant by
+    # construction). Memory-bound: K weight rows a token, read once, not copied first.
+    @triton.jit
+    def _gathered_dots_kernel(X, W, ROWS, OUT, K, H, stride_x, stride_w,
+                              BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        rows = tl.load(ROWS + i * K + ks, mask=kmask, other=0).to(tl.int64)
+        acc = tl.zeros([BLOCK_K, BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs = h0 + tl.arange(0, BLOCK_H)
+            hmask = offs < H
+            x = tl.load(X + i * stride_x + offs, mask=hmask, other=0.0)
+            w = tl.load(W + rows[:, None] * stride_w + offs[None, :],
+                        mask=kmask[:, None] & hmask[None, :], other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        tl.store(OUT + i * K + ks, tl.sum(acc, axis=1), mask=kmask)
+
+    @triton.jit
+    def _write_columns_kernel(DZ, COLS, VAL, N, K, v0, Vc, stride_dz,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (rows < N)[:, None] & (ks < K)[None, :]
+        at = rows.to(tl.int64)[:, None] * K + ks[None, :]
+        local = tl.load(COLS + at, mask=mask, other=-1) - v0
+        inside = mask & (local >= 0) & (local < Vc)  # -1 (none) is below every v0 >= 0
+        # a repeated id writes its one value twice
+        tl.store(DZ + rows.to(tl.int64)[:, None] * stride_dz + local,
+                 tl.load(VAL + at, mask=inside, other=0.0), mask=inside)
 
     # Row passes of the losses with gradients formed in the forward, over one chunk's
     # materialised fp32 logits (raw x @ W.T; coef applied on load). One program per row;
@@ -422,6 +486,17 @@ class TritonFused(Backend):
                                    weight.stride(0), BLOCK_H=1024, num_warps=4)
         return merge_partials(LocalStats(parts[0], parts[1], parts[2], target))
 
+    @staticmethod
+    def gathered_dots(x, weight, rows):
+        n, k = rows.shape
+        out = torch.empty((n, k), dtype=torch.float32, device=x.device)
+        if n and k:
+            x, weight = x.contiguous(), weight.contiguous()
+            _gathered_dots_kernel[(n, triton.cdiv(k, _DOT_ROWS))](
+                x, weight, rows.contiguous(), out, k, x.shape[1], x.stride(0), weight.stride(0),
+                BLOCK_K=_DOT_ROWS, BLOCK_H=256, num_warps=4)
+        return out
+
     def grads(self, x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w,
               dw_accumulator=None, extra=None):
         n, h = x.shape
@@ -433,7 +508,7 @@ class TritonFused(Backend):
             dx = torch.empty((n, h), dtype=x.dtype, device=x.device)
             for r0 in range(0, n, rows):
                 r = slice(r0, min(r0 + rows, n))
-                ext = None if extra is None else (extra[0][r], extra[1][r])
+                ext = None if extra is None else tuple(t[r] for t in extra)
                 dx[r] = self.grads(x[r], weight, coef[r], local_label[r], m[r], log_s[r], entropy[r],
                                    g1[r], g2[r], chunk_size, True, need_w, dw_accumulator, ext)[0]
             return dx, None
@@ -457,18 +532,25 @@ class TritonFused(Backend):
         dw = torch.empty_like(weight) if need_w and dw_accumulator is None else None
         row_blocks = triton.cdiv(n, tile.block_n)
         xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
+        given = None
         if extra is not None:
-            e_cols, e_g = extra[0].contiguous(), extra[1].float().contiguous()
-        else:  # never read (HAS_EXTRA off)
-            e_cols, e_g = local_label, g1
-        k_extra = e_cols.shape[1] if extra is not None else 0
+            e_cols = extra[0].contiguous()
+            k = e_cols.shape[1]
+            given = torch.empty(e_cols.shape, dtype=x.dtype, device=x.device)
+            grid = (triton.cdiv(n, _GIVEN_ROWS), triton.cdiv(k, _GIVEN_COLS))
+            _given_dlogits_kernel[grid](e_cols, extra[1].float().contiguous(), extra[2].contiguous(),
+                                        coef, local_label, m, log_s, entropy, g1, g2, given, n, k,
+                                        BLOCK_N=_GIVEN_ROWS, BLOCK_K=_GIVEN_COLS)
         for v0 in range(0, v, vc):
             width = min(vc, v - v0)
             _dlogits_kernel[(triton.cdiv(width, bv), row_blocks)](
-                xa, wa, coef, local_label, m, log_s, entropy, g1, g2, dz, e_cols, e_g,
-                n, v, h, v0, width, x.stride(0), weight.stride(0), dz.stride(0), k_extra,
-                EVEN_K=h % tile.block_k == 0, USE_TMA=tma, HAS_EXTRA=extra is not None, **tile.launch(),
+                xa, wa, coef, local_label, m, log_s, entropy, g1, g2, dz,
+                n, v, h, v0, width, x.stride(0), weight.stride(0), dz.stride(0),
+                EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch(),
             )
+            if given is not None:
+                _write_columns_kernel[grid](dz, e_cols, given, n, k, v0, width, dz.stride(0),
+                                            BLOCK_N=_GIVEN_ROWS, BLOCK_K=_GIVEN_COLS)
             chunk = dz[:, :width]
             if dw is not None:
                 torch.mm(chunk.t(), x, out=dw[v0 : v0 + width])  # K = N: rounded once
