@@ -182,8 +182,9 @@ def _op_samples():
     cand = (x, w, ids, coef, 0, None, False, 4)
     cand_backward = (x.detach(), w.detach(), ids, coef, 0, None, False, 4, torch.randn(n, 3), True, True)
     return {
-        "candidate_logits": (ops.candidate_logits, cand + (None, False, False)),
-        "candidate_logits-accumulator-invariant": (ops.candidate_logits, cand + (acc, True, True)),
+        "candidate_logits": (ops.candidate_logits, cand + (None, False, "torch")),
+        "candidate_logits-accumulator-invariant": (ops.candidate_logits,
+                                                   cand + (acc, True, "torch+invariant")),
         "candidate_logits_backward": (ops.candidate_logits_backward, cand_backward + (None, False)),
         "candidate_logits_backward-accumulator": (ops.candidate_logits_backward,
                                                   cand_backward + (acc.clone(), False)),

@@ -140,6 +140,42 @@ def test_triton_selected_ids_match_torch_backend_and_float64(shape, dtype, invar
             assert rel(got, want) <= 2 * rel(base, want) + 1e-3
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("invariant", [False, True], ids=["plain", "batch-invariant"])
+def test_triton_kept_set_logits_from_the_dot_kernel(dtype, invariant):
+    """A kept set of 4 ids a token over 1100 words (4 * 256 <= V): the Triton backend takes the
+    ids' logits from its gathered-dot kernel (the torch backend from a dense product). The
+    renormalised log-probs, entropies and gradients against float64 and the torch backend."""
+    n, h, v, k = 37, 300, 1100, 4
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
+    ids = torch.randint(0, v, (n, k), generator=g)
+    ids[:, 0] = labels = torch.randint(0, v, (n,), generator=g)
+    ids[3, 2] = -1  # padding
+    ids, labels = ids.to(DEVICE), labels.to(DEVICE)
+
+    def run(backend):
+        xg, wg = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        r = linear_logprob_entropy(xg, wg, labels, kept_ids=ids, temperature=0.9, backend=backend,
+                                   batch_invariant=invariant)
+        (r.logprob.sum() + 0.5 * r.entropy.sum()).backward()
+        return r.logprob.detach(), r.entropy.detach(), xg.grad, wg.grad
+
+    xd, wd = x.double().requires_grad_(), w.double().requires_grad_()
+    z = (xd @ wd.t() / 0.9).gather(1, ids.clamp(min=0)).masked_fill(ids < 0, -math.inf)
+    logp = torch.log_softmax(z, -1)
+    lp = logp[:, 0]
+    ent = -(logp.exp() * logp.masked_fill(ids < 0, 0.0)).sum(-1)
+    (lp.sum() + 0.5 * ent.sum()).backward()
+    tri, tor = run("triton"), run("torch")
+    for got, want, base in zip(tri[:2], (lp.detach(), ent.detach()), tor[:2]):
+        assert close(got, want, 1e-5) and close(got, base, 1e-5)
+    for got, want, base in zip(tri[2:], (xd.grad, wd.grad), tor[2:]):
+        assert rel(got, want) < GRAD_TOL[dtype]
+        assert rel(got, want) <= 2 * rel(base, want) + 1e-3
+
+
 def _run_ce(backend, x, w, labels, token_weight, temperature, grad_out, **kw):
     x = x.detach().clone().requires_grad_()
     w = w.detach().clone().requires_grad_()

@@ -58,6 +58,12 @@ def _chunk(t: torch.Tensor, start: int, end: int, rows: int, fixed: bool, fill) 
 _DENSE_BYTES = 128 << 20
 
 
+# A backend's gathered dot products (Triton: K weight rows a token read once, at 88% of an
+# H100's memory bandwidth) beat the dense product up to about K = V / 170 (11.3 against 20.0 ms
+# at K = 512, 8192 x 4096 x 151936; benchmarks/profile_gather.py); used up to V / 256.
+_DOTS_PER_VOCAB = 256
+
+
 def gathers(k: int, v_local: int) -> bool:
     """Whether the ids' logits are gathered (``K`` weight rows a token: about ``6 N K H`` bytes
     moved) rather than taken from a dense product over the vocabulary shard (``2 N V H`` flops,
@@ -91,11 +97,14 @@ def candidate_logits(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, 
     gathered, or for a wide ``K`` (:func:`gathers`) the columns of a dense product over the
     vocabulary. ``fixed`` (batch invariance): every product over a fixed number of tokens
     (padded): ``chunk_size`` for the gather, the invariant mode's block for the dense product.
-    ``dots``: a backend's gathered dot products (``Backend.gathered_dots``), used for the
-    gather where it gives them (per token: invariant as they are)."""
+    ``dots``: a backend's gathered dot products (``Backend.gathered_dots``), used up to
+    ``K = V / 256`` where the backend gives them (per token: invariant as they are)."""
     n, k = ids.shape
     v_local = weight.shape[0]
     owned, rows = owned_rows(ids, vocab_start, v_local)
+    z = dots(x, weight, rows) if dots is not None and k * _DOTS_PER_VOCAB <= v_local else None
+    if z is not None:
+        return torch.where(owned, z.mul_(coef.unsqueeze(1)), 0.0)
     out = torch.zeros((n, k), dtype=torch.float32, device=x.device)
     if not gathers(k, v_local):
         for start, end in _token_blocks(n, fixed, BLOCK):
@@ -107,9 +116,6 @@ def candidate_logits(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, 
                 o.copy_(torch.where(inside, z.gather(1, cols), o))
             o.mul_(coef[start:end].unsqueeze(1))
         return out
-    z = dots(x, weight, rows) if dots is not None else None
-    if z is not None:
-        return torch.where(owned, z.mul_(coef.unsqueeze(1)), 0.0)
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         r = _chunk(rows, start, end, chunk_size, fixed, 0)

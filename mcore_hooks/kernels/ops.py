@@ -215,21 +215,23 @@ def stats(hidden: Tensor, weight: Tensor, p: KernelParams) -> tuple[Tensor, Tens
 def candidate_logits(
     hidden: Tensor, weight: Tensor, ids: Tensor, coef: Tensor, vocab_start: int,
     group: Optional[str], sequence_parallel: bool, chunk_size: int, accumulator: Optional[Tensor],
-    placeholder: bool, invariant: bool,
+    placeholder: bool, backend: str,
 ) -> tuple[Tensor, Tensor]:
     """``(logits, gathered hidden)``: float32 ``[N, K]`` logits of ``ids`` (global, -1 padding:
     0 there), the same on every rank of the group; the gathered hidden states (sequence
-    parallelism, else empty) are for the backward, as ``accumulator`` and ``placeholder``."""
+    parallelism, else empty) are for the backward, as ``accumulator`` and ``placeholder``.
+    ``backend``: whose gathered dot products to use (``Backend.gathered_dots``)."""
     pg = _group(group)
     x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
-    logits = cand.candidate_logits(x, weight, coef, ids, vocab_start, chunk_size, invariant)
+    logits = cand.candidate_logits(x, weight, coef, ids, vocab_start, chunk_size, invariant(backend),
+                                   _backend(backend, hidden.device).gathered_dots)
     ag.all_reduce(logits, torch.distributed.ReduceOp.SUM, pg)  # each id owned by one rank: exact
     return logits, (x if sequence_parallel else _nothing(hidden))
 
 
 @candidate_logits.register_fake
 def _(hidden, weight, ids, coef, vocab_start, group, sequence_parallel, chunk_size, accumulator,
-      placeholder, invariant):
+      placeholder, backend):
     x = hidden.new_empty((ids.shape[0], hidden.shape[1])) if sequence_parallel else _nothing(hidden)
     return hidden.new_empty(ids.shape, dtype=_F32), x
 
@@ -261,14 +263,14 @@ def _(x, weight, ids, coef, vocab_start, group, sequence_parallel, chunk_size, d
 
 def _candidate_setup(ctx, inputs, output):
     (hidden, weight, ids, coef, vocab_start, group, sp, chunk_size, accumulator, placeholder,
-     invariant_) = inputs
+     backend) = inputs
     _, gathered = output
     ctx.mark_non_differentiable(gathered)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(gathered if sp else hidden, weight, ids, coef)
     ctx.args = (vocab_start, group, sp, chunk_size)
     ctx.accumulator = accumulator  # not saved: written by other backwards by design (as above)
-    ctx.invariant = invariant_
+    ctx.invariant = invariant(backend)
     ctx.hidden_shape, ctx.placeholder = hidden.shape, placeholder
 
 
@@ -297,7 +299,7 @@ def logits_of(hidden: Tensor, weight: Tensor, ids: Tensor, p: KernelParams) -> T
     chunk = cand.gather_chunk_size(ids.shape[1], hidden.shape[1])
     return candidate_logits(hidden, weight, ids, p.coef, p.vocab_start, group_name(p.group),
                             p.sequence_parallel, chunk, p.weight_grad_accumulator,
-                            p.dummy_weight_grad, invariant(p.backend))[0]
+                            p.dummy_weight_grad, p.backend)[0]
 
 
 @torch.library.custom_op("mcore_hooks::top_k_ids", mutates_args=())
