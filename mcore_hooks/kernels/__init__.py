@@ -118,8 +118,9 @@ def linear_logprob_entropy(
         kept_ids: ``[N, K]`` integer global ids, each token's kept set (a rollout's sampling
             mask; -1 pads a row; no id twice in a row): the log-prob, entropy and ``logz`` are
             then of the distribution renormalised over the set. Only the ``K`` kept logits are
-            made: for ``K <= V / 1024`` a gather of ``K`` weight rows a token, no pass over the
-            vocabulary; wider, the ids' columns of one dense product. A row of -1 only (a
+            made: for ``K <= V / 256`` (Triton backend; ``V / 1024`` torch) ``K`` gathered dot
+            products a token, no pass over the vocabulary; wider, the ids' columns of one
+            dense product. A row of -1 only (a
             prompt or padding position) gives 0 and no gradient. A counted token whose label is
             not in its non-empty set, or a repeated id, is bad input: an error where values are
             checked; unchecked, the label gives NaN and a repeated id counts twice.
