@@ -5,13 +5,20 @@ boundaries into micro-batches adds the same bits into ``main_grad``."""
 
 from __future__ import annotations
 
+import queue as queue_module
+import socket
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from mcore_hooks import FusedLogprobProcessor, LogprobEntropyProcessor
 from mcore_hooks.kernels import (
     PolicyLoss,
     Truncation,
+    VocabParallel,
     linear_cross_entropy,
     linear_logprob_entropy,
     linear_policy_loss,
@@ -21,6 +28,7 @@ from mcore_hooks.testing import hook_keywords
 
 H, V, PROBE = 16, 64, 7
 SIZES = (7, 128, 1000, BLOCK + 100)  # the last: the probe tokens in the second block
+KINDS = ["logprob-entropy", "kept-set", "truncation", "selected", "cross-entropy", "policy"]
 
 
 def _pool(dtype):
@@ -33,11 +41,18 @@ def _pool(dtype):
     return x, w, y, kept
 
 
-def _call(kind, x, w, y, kept, rows):
-    """Run ``kind`` on the tokens ``rows`` of the pool; the per-token results and dX rows."""
-    xg, wg = x[rows].clone().requires_grad_(), w.clone().requires_grad_()
+def _call(kind, x, w, y, kept, rows, parallel=None):
+    """Run ``kind`` on the tokens ``rows`` of the pool; the per-token results and dX rows (under
+    ``parallel``, ``w`` is this rank's vocabulary shard; with sequence parallelism the rank
+    takes its share of the tokens, and the dX rows are gathered back)."""
+    xs, sp = x[rows], parallel is not None and parallel.sequence_parallel
+    if sp:
+        xs = xs.chunk(dist.get_world_size())[dist.get_rank()]
+    xg, wg = xs.clone().requires_grad_(), w.clone().requires_grad_()
     n = len(rows)
     common = dict(backend="torch", batch_invariant=True, temperature=0.8)
+    if parallel is not None:
+        common["parallel"] = parallel
     if kind == "logprob-entropy":
         r = linear_logprob_entropy(xg, wg, y[rows], **common)
         out, loss = (r.logprob, r.entropy), r.logprob.sum() + 0.5 * r.entropy.sum()
@@ -59,7 +74,12 @@ def _call(kind, x, w, y, kept, rows):
                                loss=PolicyLoss(entropy_coef=0.01), **common)
         out, loss = (r.logprob, r.entropy), r.loss
     loss.backward()
-    return [o.detach() for o in out] + [xg.grad], wg.grad
+    dx = xg.grad
+    if sp:
+        shards = [torch.empty_like(dx) for _ in range(dist.get_world_size())]
+        dist.all_gather(shards, dx)
+        dx = torch.cat(shards)
+    return [o.detach() for o in out] + [dx], wg.grad
 
 
 @pytest.fixture(params=["gather", "dense"])
@@ -71,8 +91,7 @@ def path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("kind", ["logprob-entropy", "kept-set", "truncation", "selected",
-                                  "cross-entropy", "policy"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_tokens_results_do_not_depend_on_the_rest_of_the_call(kind, path):
     x, w, y, kept = _pool(torch.float32)
     probe = list(range(PROBE))
@@ -120,3 +139,71 @@ def test_processors_take_the_option_through_the_hook():
     assert torch.equal(outs[0], outs[1])
     with pytest.raises(TypeError, match="batch_invariant: expected True or False"):
         FusedLogprobProcessor(batch_invariant="yes")
+
+
+def _tp_rank(rank: int, world: int, port: int, queue) -> None:
+    """One rank of a vocabulary split over ``world`` gloo ranks: for every kind, with and
+    without sequence parallelism, whether the probe tokens' results (and dX rows) in a call of
+    their own equal theirs at other places in a call of 128 tokens, bitwise."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        x, w, y, kept = _pool(torch.float32)
+        v = V // world
+        shard = w[rank * v:(rank + 1) * v]
+        g = torch.Generator().manual_seed(4)
+        probe = list(range(8))  # 8: a share of 2 tokens a rank under sequence parallelism
+        others = [int(i) for i in torch.randperm(len(x) - 8, generator=g)[:120] + 8]
+        mixed = others[:50] + probe[:3] + others[50:90] + probe[3:] + others[90:]
+        at = [mixed.index(i) for i in probe]
+        differs = []
+        for sp in (False, True):
+            par = VocabParallel(dist.group.WORLD, rank * v, sequence_parallel=sp)
+            for kind in KINDS:
+                alone, _ = _call(kind, x, shard, y, kept, probe, par)
+                got, _ = _call(kind, x, shard, y, kept, mixed, par)
+                differs += [f"{kind}{' sp' if sp else ''}: output {j}"
+                            for j, (a, b) in enumerate(zip(alone, got)) if not torch.equal(a, b[at])]
+        queue.put((rank, differs))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_tokens_results_do_not_depend_on_the_rest_of_the_call_over_four_ranks():
+    """Tensor parallelism of 4 (gloo): the statistics' and dX's sums over the ranks are added
+    in rank order in the batch-invariant mode. A collective's own order depends on the message
+    size and the element's place in it (with 4 ranks the probes' results differed in their last
+    bits without this)."""
+    world = 4
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_tp_rank, args=(r, world, port, queue)) for r in range(world)]
+    results = []
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 240
+        while len(results) < world:  # a rank that dies or hangs fails the test, never hangs it
+            try:
+                results.append(queue.get(timeout=5))
+            except queue_module.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                assert not dead, f"a rank exited with {dead}"
+                assert time.monotonic() < deadline, "the ranks did not answer within 240 s"
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+    for rank, differs in sorted(results):
+        assert not differs, (rank, differs)

@@ -136,8 +136,8 @@ def linear_logprob_entropy(
             (:mod:`.invariant`): each token's results and its row of the hidden states' gradient
             are then bitwise independent of the other tokens in the call, of their number and of
             the chunking (with ``kept_ids`` / ``selected_ids``, for a fixed width ``K``; under
-            tensor parallelism of 2 ranks at most: beyond, a collective's reduction order
-            depends on its message size); the blocks' weight gradients go into one float32
+            tensor parallelism of more than 2 ranks, the sums over the ranks are added in rank
+            order, from an all-gather of their terms); the blocks' weight gradients go into one float32
             buffer in order (``main_grad``: block-aligned micro-batches add the same bits as the
             whole call).
             ``benchmarks/RESULTS.md`` has the cost.
@@ -290,8 +290,8 @@ def linear_cross_entropy(
             (:mod:`.invariant`): each token's results and its row of the hidden states' gradient
             are then bitwise independent of the other tokens in the call, of their number and of
             the chunking (with ``kept_ids`` / ``selected_ids``, for a fixed width ``K``; under
-            tensor parallelism of 2 ranks at most: beyond, a collective's reduction order
-            depends on its message size); the blocks' weight gradients go into one float32
+            tensor parallelism of more than 2 ranks, the sums over the ranks are added in rank
+            order, from an all-gather of their terms); the blocks' weight gradients go into one float32
             buffer in order (``main_grad``: block-aligned micro-batches add the same bits as the
             whole call).
             ``benchmarks/RESULTS.md`` has the cost.
@@ -380,8 +380,8 @@ def linear_policy_loss(
             (:mod:`.invariant`): each token's results and its row of the hidden states' gradient
             are then bitwise independent of the other tokens in the call, of their number and of
             the chunking (with ``kept_ids`` / ``selected_ids``, for a fixed width ``K``; under
-            tensor parallelism of 2 ranks at most: beyond, a collective's reduction order
-            depends on its message size); the blocks' weight gradients go into one float32
+            tensor parallelism of more than 2 ranks, the sums over the ranks are added in rank
+            order, from an all-gather of their terms); the blocks' weight gradients go into one float32
             buffer in order (``main_grad``: block-aligned micro-batches add the same bits as the
             whole call).
             ``benchmarks/RESULTS.md`` has the cost.

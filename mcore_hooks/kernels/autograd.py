@@ -252,7 +252,8 @@ class Backend:
                 rows, zc = slice(s0, s1), z[: s1 - s0]
                 coef, label, valid = p.coef[rows], local_label[rows], p.valid[rows]
                 mm_f32(x[rows], weight.t(), out=zc)
-                st = combine(self.row_stats(zc, coef, label, with_entropy), p.group)
+                st = combine(self.row_stats(zc, coef, label, with_entropy), p.group,
+                             p.batch_invariant)
                 lp = torch.where(valid, st.logprob(), 0.0)
                 ent = torch.where(valid, st.entropy, 0.0) if with_entropy else None
                 terms, d_lp, d_ent = term_grads(token_loss, rows, lp, ent)
@@ -282,10 +283,28 @@ class Backend:
         return FusedLoss(loss, logprob, entropy, dx, dw)
 
 
-def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group) -> torch.Tensor:
-    if group_rank_size(group)[1] > 1:
+def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group, ordered: bool = False) -> torch.Tensor:
+    """``t`` reduced over the group in place. ``ordered`` (batch invariance): a sum over more
+    than two ranks is added in rank order (:func:`_rank_terms`); the order of a collective's
+    own sum depends on the message's size and the element's place in it. A maximum, or a sum
+    of two (``a + b == b + a``), is the same in any order."""
+    world = group_rank_size(group)[1]
+    if ordered and world > 2 and op == dist.ReduceOp.SUM:
+        terms = _rank_terms(t, group)
+        t.copy_(terms[0])
+        for term in terms[1:]:
+            t.add_(term)
+    elif world > 1:
         dist.all_reduce(t, op=op, group=group)
     return t
+
+
+def _rank_terms(t: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's ``t``, in rank order (an all-gather: the group's size times ``t``'s memory,
+    paid by the batch-invariant mode alone)."""
+    terms = [torch.empty_like(t) for _ in range(group_rank_size(group)[1])]
+    dist.all_gather(terms, t.contiguous(), group=group)
+    return terms
 
 
 def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
@@ -304,9 +323,16 @@ def gather_columns(t: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def reduce_scatter_tokens(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum over ranks, keep this rank's token shard (the sequence-parallel dgrad reduction)."""
+def reduce_scatter_tokens(x: torch.Tensor, group, ordered: bool = False) -> torch.Tensor:
+    """Sum over ranks, keep this rank's token shard (the sequence-parallel dgrad reduction);
+    ``ordered`` as :func:`all_reduce`'s."""
     rank, world = group_rank_size(group)
+    if ordered and world > 2:
+        terms = [term.chunk(world)[rank] for term in _rank_terms(x, group)]
+        out = terms[0].clone()
+        for term in terms[1:]:
+            out.add_(term)
+        return out
     if x.device.type == "cpu":  # gloo has no reduce_scatter: all-reduce a copy, then slice
         x = x.clone()
         dist.all_reduce(x, group=group)
@@ -344,11 +370,12 @@ class GlobalStats(NamedTuple):
         return (self.target - self.max) - self.log_s
 
 
-def combine(stats: LocalStats, group) -> GlobalStats:
-    """Shard statistics -> global statistics: one MAX, one SUM all-reduce."""
+def combine(stats: LocalStats, group, ordered: bool = False) -> GlobalStats:
+    """Shard statistics -> global statistics: one MAX, one SUM all-reduce (``ordered``: as
+    :func:`all_reduce`'s)."""
     gmax = all_reduce(stats.max.clone(), dist.ReduceOp.MAX, group)
     summed = torch.stack([*rescaled(stats, gmax), stats.target])
-    all_reduce(summed, dist.ReduceOp.SUM, group)
+    all_reduce(summed, dist.ReduceOp.SUM, group, ordered)
     s, a, target = summed[0], summed[1], summed[2]
     log_s = torch.log(s)
     return GlobalStats(gmax, log_s, log_s - a / s, target)
@@ -368,12 +395,14 @@ def local_labels(labels, valid, vocab_start: int, v_local: int) -> torch.Tensor:
     return torch.where((local >= 0) & (local < v_local) & valid, local, -1)
 
 
-def reduce_hidden_grad(dx: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+def reduce_hidden_grad(dx: torch.Tensor, group, sequence_parallel: bool,
+                       ordered: bool = False) -> torch.Tensor:
     """The one reduction of the hidden states' gradient: reduce-scatter under sequence
-    parallelism, else all-reduce (each rank saw only its vocab shard)."""
+    parallelism, else all-reduce (each rank saw only its vocab shard); ``ordered`` as
+    :func:`all_reduce`'s."""
     if sequence_parallel:
-        return reduce_scatter_tokens(dx, group)
-    return all_reduce(dx, dist.ReduceOp.SUM, group)
+        return reduce_scatter_tokens(dx, group, ordered)
+    return all_reduce(dx, dist.ReduceOp.SUM, group, ordered)
 
 
 def check_upstream_grad(grad: torch.Tensor, declared: float) -> None:

@@ -9,10 +9,11 @@ fresh ``[BLOCK, H]`` buffer (the last padded with zero rows that count for nothi
 no gradient), and the backend runs on each. Within a block no row's arithmetic depends on
 another's (a GEMM's rows, the kernels' per-row statistics), so a token's results and its row of
 dX are bitwise independent of which other tokens are in the call, of their number and of the
-chunking (for a given ``chunk_size``: the default depends on the vocabulary only), on one rank or
-two tensor-parallel ranks (the statistics' and dX's collectives run over all the call's tokens:
-a sum of two terms has one order, while NCCL's order over more ranks depends on the message
-size). dW: each
+chunking (for a given ``chunk_size``: the default depends on the vocabulary only). Under tensor
+parallelism the statistics' and dX's sums over the ranks run over all the call's tokens: a sum
+of two terms has one order, but a collective's order over more ranks depends on the message
+size and the element's place in it, so past two ranks the mode all-gathers the terms and adds
+them in rank order (``autograd.all_reduce``'s ``ordered``). dW: each
 block's products are added into one float32 buffer in block order, rounded once at the end; with
 Megatron's ``main_grad`` as that buffer, a call split at block boundaries into micro-batches adds
 the same bits as the whole call.

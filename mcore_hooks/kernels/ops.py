@@ -96,7 +96,7 @@ def logsoftmax_stats(
     local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
     impl = _backend(backend, hidden.device)
     local = impl.local_stats(x, weight, coef, local_label, chunk_size)
-    st = ag.combine(local, pg)
+    st = ag.combine(local, pg, invariant(backend))
     logprob = torch.where(valid, st.logprob(), 0.0)
     entropy = torch.where(valid, st.entropy, 0.0)
     extra = _nothing(coef)
@@ -140,7 +140,7 @@ def logsoftmax_stats_backward(
         x, weight, coef, local_label, m, log_s, entropy, g_logprob, g_entropy, chunk_size, need_x,
         need_w, accumulator if need_w else None, extra)
     if dx is not None:
-        dx = ag.reduce_hidden_grad(dx, _group(group), sequence_parallel)
+        dx = ag.reduce_hidden_grad(dx, _group(group), sequence_parallel, invariant(backend))
     return (_nothing(x) if dx is None else dx), (_nothing(weight) if dw is None else dw)
 
 
@@ -248,7 +248,7 @@ def candidate_logits_backward(
     dx, dw = cand.candidate_grads(x, weight, coef, ids, vocab_start, d_logits, chunk_size, need_x,
                                   need_w, accumulator if need_w else None, invariant)
     if dx is not None:
-        dx = ag.reduce_hidden_grad(dx.to(x.dtype), _group(group), sequence_parallel)
+        dx = ag.reduce_hidden_grad(dx.to(x.dtype), _group(group), sequence_parallel, invariant)
     return (_nothing(x) if dx is None else dx), (_nothing(weight) if dw is None else dw)
 
 
@@ -415,14 +415,14 @@ def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel
 
 
 def _fused_setup(ctx, inputs, output):
-    hidden, _, _, _, _, _, group, sp = inputs[:8]
+    hidden, _, _, _, _, _, group, sp, _, backend = inputs[:10]
     _, logprob, entropy, dx32, dw32 = output
     # the loss alone carries a gradient: the per-token values are detached by contract, the
     # float32 gradients are for the backward (no zeros made for their gradients)
     ctx.mark_non_differentiable(logprob, entropy, dx32, dw32)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(dx32, dw32)
-    ctx.group, ctx.sp, ctx.num_inputs = group, sp, len(inputs[12])
+    ctx.group, ctx.sp, ctx.ordered, ctx.num_inputs = group, sp, invariant(backend), len(inputs[12])
     ctx.hidden_shape, ctx.dtype = hidden.shape, hidden.dtype
 
 
@@ -434,7 +434,8 @@ def _scaled(t32: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:
 def _hidden_grad(ctx, dx32: Tensor, grad: Tensor) -> Optional[Tensor]:
     if not (ctx.needs_input_grad[0] and dx32.numel()):
         return None
-    return reduce_hidden_grad(_scaled(dx32, grad, ctx.dtype), ctx.group, ctx.sp).view(ctx.hidden_shape)
+    return reduce_hidden_grad(_scaled(dx32, grad, ctx.dtype), ctx.group, ctx.sp,
+                              ctx.ordered).view(ctx.hidden_shape)
 
 
 def _fused_backward(ctx, grad, *_):
@@ -479,6 +480,7 @@ class _FusedIntoAccumulator(torch.autograd.Function):
         loss, logprob, entropy, dx32, _ = fused_token_loss_into_(hidden, weight, *args)
         ctx.save_for_backward(dx32)
         ctx.group, ctx.sp, ctx.upstream_grad, ctx.placeholder = args[4], args[5], args[9], placeholder
+        ctx.ordered = invariant(args[7])
         ctx.hidden_shape, ctx.dtype = hidden.shape, hidden.dtype
         ctx.weight_shape = weight.shape
         ctx.mark_non_differentiable(logprob, entropy)
@@ -515,35 +517,36 @@ def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Te
 
 
 @torch.library.custom_op("mcore_hooks::all_reduce_", mutates_args=("t",))
-def all_reduce_(t: Tensor, group: str) -> None:
-    """Sum ``t`` over the group, in place."""
-    torch.distributed.all_reduce(t, group=_group(group))
+def all_reduce_(t: Tensor, group: str, ordered: bool = False) -> None:
+    """Sum ``t`` over the group, in place (``ordered``: in rank order, ``autograd.all_reduce``)."""
+    ag.all_reduce(t, torch.distributed.ReduceOp.SUM, _group(group), ordered)
 
 
 @all_reduce_.register_fake
-def _(t, group):
+def _(t, group, ordered=False):
     return None
 
 
 @torch.library.custom_op("mcore_hooks::reduce_scatter_tokens", mutates_args=())
-def reduce_scatter_tokens(t: Tensor, group: str) -> Tensor:
-    """Sum over the group, keep this rank's token shard."""
-    return ag.reduce_scatter_tokens(t, _group(group))
+def reduce_scatter_tokens(t: Tensor, group: str, ordered: bool = False) -> Tensor:
+    """Sum over the group, keep this rank's token shard (``ordered``: in rank order)."""
+    return ag.reduce_scatter_tokens(t, _group(group), ordered)
 
 
 @reduce_scatter_tokens.register_fake
-def _(t, group):
+def _(t, group, ordered=False):
     return t.new_empty((t.shape[0] // _fake_group_size(group),) + tuple(t.shape[1:]))
 
 
-def reduce_hidden_grad(dx: Tensor, group: Optional[str], sequence_parallel: bool) -> Tensor:
+def reduce_hidden_grad(dx: Tensor, group: Optional[str], sequence_parallel: bool,
+                       ordered: bool = False) -> Tensor:
     """:func:`~.autograd.reduce_hidden_grad` through the ops (a backward traced by AOTAutograd
     cannot call a collective on a process group)."""
     if group is None:
         return dx
     if sequence_parallel:
-        return reduce_scatter_tokens(dx, group)
-    all_reduce_(dx, group)
+        return reduce_scatter_tokens(dx, group, ordered)
+    all_reduce_(dx, group, ordered)
     return dx
 
 
@@ -578,7 +581,8 @@ class LinearFusedLoss(torch.autograd.Function):
         p: KernelParams = ctx.params
         dx = dw = None
         if dx32 is not None:
-            dx = ag.reduce_hidden_grad(_scaled(dx32, grad, ctx.dtype), p.group, p.sequence_parallel)
+            dx = ag.reduce_hidden_grad(_scaled(dx32, grad, ctx.dtype), p.group, p.sequence_parallel,
+                                       p.batch_invariant)
             dx = dx.view(ctx.hidden_shape)
         if dw32 is not None:
             dw = _scaled(dw32, grad, ctx.dtype)

@@ -61,6 +61,11 @@ class KernelParams:
     upstream_grad: Optional[float] = None
 
     @property
+    def batch_invariant(self) -> bool:
+        """The backend runs in the batch-invariant mode (its name ends in ``+invariant``)."""
+        return isinstance(self.backend, str) and self.backend.endswith("+invariant")
+
+    @property
     def n(self) -> int:
         """Tokens (all of them under sequence parallelism)."""
         return self.labels.shape[0]
