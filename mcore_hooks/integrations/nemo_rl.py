@@ -53,6 +53,7 @@ import torch.distributed as dist
 from .. import compat
 from ..mtp import MTPDepth, MTPLoss, labels_given
 from ..postprocess import PostprocessContext
+from ..kernels.autograd import all_reduce
 from ..processors.fused import _FusedProcessor
 from ..processors.labels import cp_global_positions, labels_from_input_ids
 
@@ -116,7 +117,8 @@ class NemoRLLogprobProcessor(_FusedProcessor):
         r, bs, _ = self.compute(ctx)
         logprobs = self.to_bs(r.logprob, bs)  # [B, S_local]
         if ctx.cp_size > 1:
-            logprobs = _GatherCP.apply(logprobs, _CPLayout(ctx, bs[1], logprobs.device))
+            logprobs = _GatherCP.apply(logprobs, _CPLayout(ctx, bs[1], logprobs.device),
+                                       self.batch_invariant)
         return logprobs[:, :-1]
 
 
@@ -152,12 +154,13 @@ class _GatherCP(torch.autograd.Function):
     rank's loss reads the whole sequence), then this rank's part."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, layout: _CPLayout) -> torch.Tensor:
-        ctx.layout = layout
+    def forward(ctx: Any, local: torch.Tensor, layout: _CPLayout, ordered: bool) -> torch.Tensor:
+        ctx.layout, ctx.ordered = layout, ordered
         return layout.gather(local)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.layout.group)
-        return ctx.layout.local(grad), None
+        # batch-invariant mode: past two ranks, added in rank order (a collective's order
+        # depends on the message size)
+        grad = all_reduce(grad.contiguous().clone(), dist.ReduceOp.SUM, ctx.layout.group, ctx.ordered)
+        return ctx.layout.local(grad), None, None
