@@ -5,14 +5,10 @@ boundaries into micro-batches adds the same bits into ``main_grad``."""
 
 from __future__ import annotations
 
-import queue as queue_module
-import socket
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_gloo_ranks
 
 from mcore_hooks import FusedLogprobProcessor, LogprobEntropyProcessor
 from mcore_hooks.kernels import (
@@ -141,22 +137,35 @@ def test_processors_take_the_option_through_the_hook():
         FusedLogprobProcessor(batch_invariant="yes")
 
 
-def _tp_rank(rank: int, world: int, port: int, queue) -> None:
+def _tp_rank(rank: int, world: int) -> list[str]:
     """One rank of a vocabulary split over ``world`` gloo ranks: for every kind, with and
-    without sequence parallelism, whether the probe tokens' results (and dX rows) in a call of
-    their own equal theirs at other places in a call of 128 tokens, bitwise."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    without sequence parallelism, what differs between the probe tokens' results (and dX rows)
+    in a call of their own and at other places in a call of 128 tokens, bitwise; and every SUM
+    collective left to its own order (none may be: gloo keeps one order for small messages,
+    NCCL does not)."""
+    x, w, y, _ = _pool(torch.float32)
+    kept = torch.stack([(y + 13 * j) % V for j in range(5)], dim=1)  # ids on every shard
+    v = V // world
+    shard = w[rank * v:(rank + 1) * v]
+    g = torch.Generator().manual_seed(4)
+    probe = list(range(8))  # 8: a share of 2 tokens a rank under sequence parallelism
+    others = [int(i) for i in torch.randperm(len(x) - 8, generator=g)[:120] + 8]
+    mixed = others[:50] + probe[:3] + others[50:90] + probe[3:] + others[90:]
+    at = [mixed.index(i) for i in probe]
+    differs = []
+    real = dist.all_reduce, dist.reduce_scatter_tensor
+
+    def all_reduce(t, op=dist.ReduceOp.SUM, **kw):
+        if op == dist.ReduceOp.SUM:
+            differs.append(f"an all_reduce SUM of {tuple(t.shape)}")
+        return real[0](t, op, **kw)
+
+    def reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM, **kw):
+        differs.append(f"a reduce_scatter of {tuple(t.shape)}")
+        return real[1](out, t, op, **kw)
+
+    dist.all_reduce, dist.reduce_scatter_tensor = all_reduce, reduce_scatter_tensor
     try:
-        x, w, y, kept = _pool(torch.float32)
-        v = V // world
-        shard = w[rank * v:(rank + 1) * v]
-        g = torch.Generator().manual_seed(4)
-        probe = list(range(8))  # 8: a share of 2 tokens a rank under sequence parallelism
-        others = [int(i) for i in torch.randperm(len(x) - 8, generator=g)[:120] + 8]
-        mixed = others[:50] + probe[:3] + others[50:90] + probe[3:] + others[90:]
-        at = [mixed.index(i) for i in probe]
-        differs = []
         for sp in (False, True):
             par = VocabParallel(dist.group.WORLD, rank * v, sequence_parallel=sp)
             for kind in KINDS:
@@ -164,46 +173,47 @@ def _tp_rank(rank: int, world: int, port: int, queue) -> None:
                 got, _ = _call(kind, x, shard, y, kept, mixed, par)
                 differs += [f"{kind}{' sp' if sp else ''}: output {j}"
                             for j, (a, b) in enumerate(zip(alone, got)) if not torch.equal(a, b[at])]
-        queue.put((rank, differs))
     finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        dist.all_reduce, dist.reduce_scatter_tensor = real
+    return differs
 
 
 def test_a_tokens_results_do_not_depend_on_the_rest_of_the_call_over_four_ranks():
     """Tensor parallelism of 4 (gloo): the statistics' and dX's sums over the ranks are added
     in rank order in the batch-invariant mode. A collective's own order depends on the message
-    size and the element's place in it (with 4 ranks the probes' results differed in their last
+    size and the element's place in it (with 4 ranks the probes' dX rows differed in their last
     bits without this)."""
-    world = 4
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_tp_rank, args=(r, world, port, queue)) for r in range(world)]
-    results = []
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 240
-        while len(results) < world:  # a rank that dies or hangs fails the test, never hangs it
-            try:
-                results.append(queue.get(timeout=5))
-            except queue_module.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                assert not dead, f"a rank exited with {dead}"
-                assert time.monotonic() < deadline, "the ranks did not answer within 240 s"
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
-    for rank, differs in sorted(results):
+    for rank, differs in enumerate(run_gloo_ranks(_tp_rank, 4)):
         assert not differs, (rank, differs)
+
+
+def _ordered_sums(rank: int, world: int) -> tuple:
+    """Order-sensitive terms (magnitudes 1e-3 to 1e8) summed by the invariant mode's two
+    reductions; ``[13, 3]``: not a multiple of the group's size (padded)."""
+    from mcore_hooks.kernels import autograd as ag
+
+    g = torch.Generator().manual_seed(10 + rank)
+    t = torch.randn(13, 3, generator=g) * 10.0 ** torch.randint(-3, 9, (13, 3), generator=g)
+    x = (torch.randn(4 * world, 5, generator=g)
+         * 10.0 ** torch.randint(-3, 4, (4 * world, 5), generator=g)).bfloat16()
+    s = ag.all_reduce(t.clone(), dist.ReduceOp.SUM, dist.group.WORLD, ordered=True)
+    r = ag.reduce_scatter_tokens(x.clone(), dist.group.WORLD, ordered=True)
+    return t.tolist(), s.tolist(), x.float().tolist(), r.float().tolist()
+
+
+def test_the_invariant_sums_over_four_ranks_are_in_rank_order():
+    """Each rank gets ``((t0 + t1) + t2) + t3`` in float32, rounded once to the input dtype:
+    the all-reduce of any shape and the reduce-scatter of the token shards, bitwise."""
+    world = 4
+    out = run_gloo_ranks(_ordered_sums, world)
+    t = [torch.tensor(o[0]) for o in out]
+    x = [torch.tensor(o[2]) for o in out]
+    want = t[0].clone()
+    for term in t[1:]:
+        want += term
+    for rank, (_, s, _, r) in enumerate(out):
+        assert torch.equal(torch.tensor(s), want), rank
+        shard = x[0].chunk(world)[rank].clone()
+        for term in x[1:]:
+            shard += term.chunk(world)[rank]
+        assert torch.equal(torch.tensor(r), shard.bfloat16().float()), rank

@@ -6,17 +6,13 @@ O(1), so 1e-5 relative to the O(1) results bounds their rounding (vocab 50) with
 
 from __future__ import annotations
 
-import os
-import queue as queue_module
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import run_gloo_ranks
 
 from mcore_hooks.kernels import PolicyLoss, VocabParallel, linear_cross_entropy, linear_logprob_entropy, linear_policy_loss
 
@@ -77,30 +73,17 @@ def _policy_inputs() -> dict:
     return {"old_logprobs": -torch.rand(N, generator=g), "advantages": torch.randn(N, generator=g)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, world: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        x, w, y = _data()
-        v = V // world
-        shard = w[rank * v:(rank + 1) * v]
-        lp, ent, dx, dw = _ours(x, shard, y, VocabParallel(dist.group.WORLD, rank * v))
-        tw = torch.rand(N, generator=torch.Generator().manual_seed(1))
-        inputs = _policy_inputs()
-        ce = linear_cross_entropy(x, shard, y, token_weight=tw, parallel=VocabParallel(dist.group.WORLD, rank * v),
-                                  backend="torch")
-        pl = linear_policy_loss(x, shard, y, token_weight=tw, loss=PolicyLoss(), inputs=inputs,
-                                parallel=VocabParallel(dist.group.WORLD, rank * v), backend="torch")
-        # by value (lists): a tensor would travel as a shared-memory handle this process closes
-        queue.put((rank, *(t.tolist() for t in (lp, ent, dx, dw)), float(ce), float(pl.loss)))
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, world: int) -> tuple:
+    x, w, y = _data()
+    v = V // world
+    shard = w[rank * v:(rank + 1) * v]
+    par = VocabParallel(dist.group.WORLD, rank * v)
+    lp, ent, dx, dw = _ours(x, shard, y, par)
+    tw = torch.rand(N, generator=torch.Generator().manual_seed(1))
+    ce = linear_cross_entropy(x, shard, y, token_weight=tw, parallel=par, backend="torch")
+    pl = linear_policy_loss(x, shard, y, token_weight=tw, loss=PolicyLoss(), inputs=_policy_inputs(),
+                            parallel=par, backend="torch")
+    return (rank, *(t.tolist() for t in (lp, ent, dx, dw)), float(ce), float(pl.loss))
 
 
 def test_the_vocabulary_split_over_plain_torch_distributed_ranks():
@@ -108,31 +91,7 @@ def test_the_vocabulary_split_over_plain_torch_distributed_ranks():
     parallel state): each rank's results equal the unsplit call's, and its weight gradient is
     its shard of the unsplit one."""
     world = 2
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, queue)) for r in range(world)]
-    results = []
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 240
-        while len(results) < world:  # a rank that dies or hangs fails the test, never hangs it
-            try:
-                results.append(queue.get(timeout=5))
-            except queue_module.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                assert not dead, f"a rank exited with {dead}"
-                assert time.monotonic() < deadline, "the ranks did not answer within 240 s"
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
-    results.sort(key=lambda r: r[0])
+    results = run_gloo_ranks(_rank, world)
     x, w, y = _data()
     lp, ent, dx, dw = _ours(x, w, y)
     tw = torch.rand(N, generator=torch.Generator().manual_seed(1))

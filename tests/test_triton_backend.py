@@ -102,12 +102,28 @@ def test_triton_matches_torch_backend_and_float64(shape, dtype):
     assert (tri[0][ignored] == 0).all() and (tri[2][ignored] == 0).all()
 
 
+def _count_gathered_dots(monkeypatch):
+    """Count the Triton backend's gathered dot products (a fallback gives the same values, so
+    the tests also check that the kernel ran)."""
+    from mcore_hooks.kernels import triton_fused
+
+    real = triton_fused.TritonFused.gathered_dots
+
+    def counted(*args):
+        counted.calls += 1
+        return real(*args)
+
+    counted.calls = 0
+    monkeypatch.setattr(triton_fused.TritonFused, "gathered_dots", staticmethod(counted))
+    return counted
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 # the last: 3 ids and the label a token over 4200 words are gathered (4 * 1024 <= V: the
 # Triton dot kernel); the others' logits come from dense products
 @pytest.mark.parametrize("shape", SHAPES + [(33, 300, 4200)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("invariant", [False, True], ids=["plain", "batch-invariant"])
-def test_triton_selected_ids_match_torch_backend_and_float64(shape, dtype, invariant):
+def test_triton_selected_ids_match_torch_backend_and_float64(shape, dtype, invariant, monkeypatch):
     """The given ids' gradients written over the Triton logit-gradient tiles (``extra``), and
     added in the torch backend's: values and gradients against float64 and the torch backend."""
     n, h, v = shape
@@ -132,7 +148,9 @@ def test_triton_selected_ids_match_torch_backend_and_float64(shape, dtype, invar
     logp = torch.log_softmax(xd @ wd.t() / 0.9, -1)
     sel = torch.where(ids >= 0, logp.gather(1, ids.clamp(min=0)), 0.0)
     ((sel * coeffs.double()).sum() + logp.gather(1, labels[:, None]).sum()).backward()
+    dots = _count_gathered_dots(monkeypatch)
     tri, tor = run("triton"), run("torch")
+    assert dots.calls == (1 if 4 * 256 <= v else 0)  # the ids and the label: K + 1 = 4
     assert close(tri[0], sel.detach(), 1e-5) and close(tri[0], tor[0], 1e-5)
     for got, want, base in zip(tri[1:], (xd.grad, wd.grad), tor[1:]):
         if want.norm() > 0:  # a one-word vocabulary: every gradient is 0
@@ -142,7 +160,7 @@ def test_triton_selected_ids_match_torch_backend_and_float64(shape, dtype, invar
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("invariant", [False, True], ids=["plain", "batch-invariant"])
-def test_triton_kept_set_logits_from_the_dot_kernel(dtype, invariant):
+def test_triton_kept_set_logits_from_the_dot_kernel(dtype, invariant, monkeypatch):
     """A kept set of 4 ids a token over 1100 words (4 * 256 <= V): the Triton backend takes the
     ids' logits from its gathered-dot kernel (the torch backend from a dense product). The
     renormalised log-probs, entropies and gradients against float64 and the torch backend."""
@@ -168,7 +186,10 @@ def test_triton_kept_set_logits_from_the_dot_kernel(dtype, invariant):
     lp = logp[:, 0]
     ent = -(logp.exp() * logp.masked_fill(ids < 0, 0.0)).sum(-1)
     (lp.sum() + 0.5 * ent.sum()).backward()
+    dots = _count_gathered_dots(monkeypatch)
     tri, tor = run("triton"), run("torch")
+    # the invariant mode pads each row to 16 ids: past V/256 there, so a dense product
+    assert dots.calls == (0 if invariant else 1)
     for got, want, base in zip(tri[:2], (lp.detach(), ent.detach()), tor[:2]):
         assert close(got, want, 1e-5) and close(got, base, 1e-5)
     for got, want, base in zip(tri[2:], (xd.grad, wd.grad), tor[2:]):

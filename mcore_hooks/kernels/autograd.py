@@ -285,26 +285,35 @@ class Backend:
 
 def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group, ordered: bool = False) -> torch.Tensor:
     """``t`` reduced over the group in place. ``ordered`` (batch invariance): a sum over more
-    than two ranks is added in rank order (:func:`_rank_terms`); the order of a collective's
-    own sum depends on the message's size and the element's place in it. A maximum, or a sum
-    of two (``a + b == b + a``), is the same in any order."""
+    than two ranks is added in rank order (:func:`_slice_in_rank_order`, then an all-gather:
+    an all-reduce's traffic); the order of a collective's own sum depends on the message's
+    size and the element's place in it. A maximum, or a sum of two (``a + b == b + a``), is
+    the same in any order."""
     world = group_rank_size(group)[1]
     if ordered and world > 2 and op == dist.ReduceOp.SUM:
-        terms = _rank_terms(t, group)
-        t.copy_(terms[0])
-        for term in terms[1:]:
-            t.add_(term)
+        flat = t.reshape(-1)
+        pad = -flat.numel() % world
+        mine = _slice_in_rank_order(torch.cat([flat, flat.new_zeros(pad)]) if pad else flat, group)
+        whole = torch.empty((world * mine.numel(),), dtype=t.dtype, device=t.device)
+        dist.all_gather(list(whole.chunk(world)), mine, group=group)
+        t.copy_(whole[: flat.numel()].view(t.shape))
     elif world > 1:
         dist.all_reduce(t, op=op, group=group)
     return t
 
 
-def _rank_terms(t: torch.Tensor, group) -> list[torch.Tensor]:
-    """Every rank's ``t``, in rank order (an all-gather: the group's size times ``t``'s memory,
-    paid by the batch-invariant mode alone)."""
-    terms = [torch.empty_like(t) for _ in range(group_rank_size(group)[1])]
-    dist.all_gather(terms, t.contiguous(), group=group)
-    return terms
+def _slice_in_rank_order(t: torch.Tensor, group) -> torch.Tensor:
+    """This rank's slice of ``t`` (split along dim 0 into the group's size, equal parts) summed
+    over the group in rank order: an all-to-all brings it every rank's term (the traffic and
+    memory of a reduce-scatter), added in float32 in rank order and rounded once."""
+    rank, world = group_rank_size(group)
+    terms = torch.empty_like(t, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(terms, t.contiguous(), group=group)
+    terms = terms.view((world, -1) + tuple(t.shape[1:]))
+    out = terms[0].to(torch.float32, copy=True)  # this rank's slice alone stays alive
+    for term in terms[1:]:
+        out.add_(term)
+    return out.to(t.dtype)
 
 
 def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
@@ -328,11 +337,7 @@ def reduce_scatter_tokens(x: torch.Tensor, group, ordered: bool = False) -> torc
     ``ordered`` as :func:`all_reduce`'s."""
     rank, world = group_rank_size(group)
     if ordered and world > 2:
-        terms = [term.chunk(world)[rank] for term in _rank_terms(x, group)]
-        out = terms[0].clone()
-        for term in terms[1:]:
-            out.add_(term)
-        return out
+        return _slice_in_rank_order(x, group)
     if x.device.type == "cpu":  # gloo has no reduce_scatter: all-reduce a copy, then slice
         x = x.clone()
         dist.all_reduce(x, group=group)

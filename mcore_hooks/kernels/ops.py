@@ -104,7 +104,9 @@ def logsoftmax_stats(
         extra = cand.candidate_logits(x, weight, coef, extra_ids, vocab_start,
                                       cand.gather_chunk_size(extra_ids.shape[1], x.shape[1]),
                                       invariant(backend), impl.gathered_dots)
-        ag.all_reduce(extra, torch.distributed.ReduceOp.SUM, pg)  # each id on one rank: exact
+        # each id on one rank: exact in any order (ordered all the same: in the invariant mode
+        # no sum over more than two ranks is left to a collective's order)
+        ag.all_reduce(extra, torch.distributed.ReduceOp.SUM, pg, invariant(backend))
     return (logprob, entropy, st.max + st.log_s, valid & ag.label_is_row_max(st), st.max, st.log_s,
             x if sequence_parallel else _nothing(hidden), extra)
 
@@ -134,6 +136,9 @@ def logsoftmax_stats_backward(
     local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
     extra = None
     if extra_ids is not None and extra_g is not None:
+        if extra_logits is None:
+            raise ValueError("logsoftmax_stats_backward: extra_g needs extra_logits, the forward's "
+                             "logits of extra_ids")
         owned, cols = cand.owned_rows(extra_ids, vocab_start, weight.shape[0])
         extra = (torch.where(owned, cols, -1), extra_g, extra_logits)
     dx, dw = _backend(backend, x.device).grads(
@@ -225,7 +230,8 @@ def candidate_logits(
     x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
     logits = cand.candidate_logits(x, weight, coef, ids, vocab_start, chunk_size, invariant(backend),
                                    _backend(backend, hidden.device).gathered_dots)
-    ag.all_reduce(logits, torch.distributed.ReduceOp.SUM, pg)  # each id owned by one rank: exact
+    # each id owned by one rank: exact (ordered all the same, as the statistics op's)
+    ag.all_reduce(logits, torch.distributed.ReduceOp.SUM, pg, invariant(backend))
     return logits, (x if sequence_parallel else _nothing(hidden))
 
 

@@ -1,0 +1,89 @@
+"""Spawned gloo ranks for tests that need torch.distributed alone (no Megatron parallel state:
+``mcore_hooks.testing.run_on_ranks`` is the Megatron one). Imports torch only: CI also runs
+``test_kernels_alone.py`` in a venv without Megatron Core."""
+
+from __future__ import annotations
+
+import importlib
+import queue as queue_module
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(module: str, name: str, rank: int, world: int, port: int, results: Any) -> None:
+    reported = False
+    try:
+        torch.set_num_threads(1)  # the ranks share a small CPU box
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            try:
+                message = (rank, "ok", fn(rank, world))
+            except BaseException:  # noqa: BLE001 - every failure must reach the parent
+                message = (rank, "err", traceback.format_exc())
+            results.put(message)
+            reported = True
+            if message[1] == "ok":
+                dist.barrier()  # no rank tears down while another is still in a collective
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - the parent raises it with this rank's traceback
+        if not reported:
+            results.put((rank, "err", traceback.format_exc()))
+
+
+def run_gloo_ranks(fn: Callable[[int, int], Any], world: int, timeout: float = 240.0) -> list:
+    """``fn(rank, world)`` on ``world`` spawned gloo ranks (``fn`` a module-level function; what it
+    returns travels by pickle: lists and floats, not tensors, whose shared memory the rank
+    frees when it exits); the results in rank order.
+
+    A rank that raises, or dies before reporting, fails the call. Once every rank has reported,
+    how its process exits is not checked: gloo's teardown at interpreter exit sometimes aborts
+    ("terminate called without an active exception", seen in CI) after the results are in."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(fn.__module__, fn.__name__, r, world, port, results),
+                         daemon=True) for r in range(world)]
+    outputs: dict[int, Any] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while len(outputs) < world:  # a rank that dies or hangs fails the test, never hangs it
+            try:
+                rank, status, data = results.get(timeout=2)
+            except queue_module.Empty:
+                silent = [r for r, p in enumerate(procs) if r not in outputs and not p.is_alive()]
+                if silent:  # a report sent just before exiting may still be in flight
+                    try:
+                        rank, status, data = results.get(timeout=2)
+                    except queue_module.Empty:
+                        raise AssertionError(f"ranks {silent} died without reporting "
+                                             f"(exit codes {[procs[r].exitcode for r in silent]})")
+                else:
+                    assert time.monotonic() < deadline, f"the ranks did not answer within {timeout} s"
+                    continue
+            assert status == "ok", f"rank {rank} raised:\n{data}"
+            outputs[rank] = data
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    return [outputs[r] for r in range(world)]
