@@ -137,7 +137,8 @@ def linear_logprob_entropy(
             are then bitwise independent of the other tokens in the call, of their number and of
             the chunking (with ``kept_ids`` / ``selected_ids``, for a fixed width ``K``; under
             tensor parallelism of more than 2 ranks, the sums over the ranks are added in rank
-            order, from an all-gather of their terms); the blocks' weight gradients go into one float32
+            order, in float32, after an all-to-all of their terms); the blocks' weight
+            gradients go into one float32
             buffer in order (``main_grad``: block-aligned micro-batches add the same bits as the
             whole call).
             ``benchmarks/RESULTS.md`` has the cost.
@@ -291,7 +292,8 @@ def linear_cross_entropy(
             are then bitwise independent of the other tokens in the call, of their number and of
             the chunking (with ``kept_ids`` / ``selected_ids``, for a fixed width ``K``; under
             tensor parallelism of more than 2 ranks, the sums over the ranks are added in rank
-            order, from an all-gather of their terms); the blocks' weight gradients go into one float32
+            order, in float32, after an all-to-all of their terms); the blocks' weight
+            gradients go into one float32
             buffer in order (``main_grad``: block-aligned micro-batches add the same bits as the
             whole call).
             ``benchmarks/RESULTS.md`` has the cost.
@@ -381,7 +383,8 @@ def linear_policy_loss(
             are then bitwise independent of the other tokens in the call, of their number and of
             the chunking (with ``kept_ids`` / ``selected_ids``, for a fixed width ``K``; under
             tensor parallelism of more than 2 ranks, the sums over the ranks are added in rank
-            order, from an all-gather of their terms); the blocks' weight gradients go into one float32
+            order, in float32, after an all-to-all of their terms); the blocks' weight
+            gradients go into one float32
             buffer in order (``main_grad``: block-aligned micro-batches add the same bits as the
             whole call).
             ``benchmarks/RESULTS.md`` has the cost.

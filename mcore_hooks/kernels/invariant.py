@@ -12,8 +12,9 @@ dX are bitwise independent of which other tokens are in the call, of their numbe
 chunking (for a given ``chunk_size``: the default depends on the vocabulary only). Under tensor
 parallelism the statistics' and dX's sums over the ranks run over all the call's tokens: a sum
 of two terms has one order, but a collective's order over more ranks depends on the message
-size and the element's place in it, so past two ranks the mode all-gathers the terms and adds
-them in rank order (``autograd.all_reduce``'s ``ordered``). dW: each
+size and the element's place in it, so past two ranks the mode brings each rank its slice of
+every rank's terms (an all-to-all) and adds them in rank order (``autograd.all_reduce``'s
+``ordered``). dW: each
 block's products are added into one float32 buffer in block order, rounded once at the end; with
 Megatron's ``main_grad`` as that buffer, a call split at block boundaries into micro-batches adds
 the same bits as the whole call.
