@@ -306,7 +306,7 @@ def _slice_in_rank_order(t: torch.Tensor, group) -> torch.Tensor:
     """This rank's slice of ``t`` (split along dim 0 into the group's size, equal parts) summed
     over the group in rank order: an all-to-all brings it every rank's term (the traffic and
     memory of a reduce-scatter), added in float32 in rank order and rounded once."""
-    rank, world = group_rank_size(group)
+    world = group_rank_size(group)[1]
     terms = torch.empty_like(t, memory_format=torch.contiguous_format)
     dist.all_to_all_single(terms, t.contiguous(), group=group)
     terms = terms.view((world, -1) + tuple(t.shape[1:]))

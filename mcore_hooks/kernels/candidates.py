@@ -5,11 +5,11 @@ For a narrow set (``K <= V / 1024``, :func:`gathers`), ``K`` dot products a toke
 pass over the vocabulary: the logits of ``ids [N, K]`` are ``coef * (x @ W[ids].T)``, made in
 token chunks of ``[chunk, K, H]`` gathered rows (input dtype, float32 products), and dX takes
 ``dz @ W[ids]``. A backend with its own gathered dot products (Triton: the rows read once, not
-copied) makes the logits up to ``K = V / 256``. For a wider one, the ids' columns of a dense product per vocabulary chunk. dW is
-always the dense form: the gradient scattered per vocabulary chunk, one cuBLAS product (no
-``[N, V]`` tensor in either form). Under tensor parallelism each rank makes the logits of the
-ids in its vocabulary shard and 0 for the others, and the ops sum them over the group: each id is
-owned by exactly one rank, so the sum is exact.
+copied) makes the logits up to ``K = V / 256``. For a wider set, the ids' columns of a dense
+product per vocabulary chunk. dW is always the dense form: the gradient scattered per
+vocabulary chunk, one cuBLAS product (no ``[N, V]`` tensor in either form). Under tensor
+parallelism each rank makes the logits of the ids in its vocabulary shard and 0 for the others,
+and the ops sum them over the group: each id is owned by exactly one rank, so the sum is exact.
 
 A padded id is ``-1``. The distributions over the ids (renormalised log-probs and entropy, a
 recomputed truncation's selection) are ``[N, K]`` float32 torch, differentiated by autograd.
