@@ -288,8 +288,9 @@ def _processor(c: Combo, d: dict):
                                    kept_set="replay")
     if p == "selected":
         return SelectedLogprobProcessor(**inv, temperature=t)
-    if p == "distill":
-        return TopKDistillationProcessor(**inv, temperature=t, as_tuple=plan)
+    if p == "distill":  # NeMo RL's mixed KL, student full: every term, the entropy's tail too
+        return TopKDistillationProcessor(**inv, temperature=t, as_tuple=plan, kl_type="mixed",
+                                         renormalise="teacher", clamp_min=None)
     return NemoRLLogprobProcessor(**inv, temperature=t)
 
 

@@ -426,6 +426,66 @@ def test_selected_ids_and_top_k_distillation_match_verls_formula_on_stock_logits
     _assert_grads_close(_grads(model, (sel * weights).sum()), want)
 
 
+@pytest.mark.usefixtures("mp1")
+@pytest.mark.parametrize("zero_outside_topk", [False, True])
+@pytest.mark.parametrize("kl_type", ["forward", "reverse", "mixed"])
+def test_top_k_distillation_matches_nemo_rls_loss_on_stock_logits(kl_type, zero_outside_topk):
+    """NeMo RL's ``DistillationLossFn`` (``nemo_rl/algorithms/loss/loss_functions.py`` and
+    ``ChunkedDistributedTopkLogits``' use in ``model_utils.py``, read at 7ea279ab), written from
+    its formulas on the stock model's logits: the teacher's top-k logits renormalised; the
+    student's gathered at the teacher's ids, renormalised over them unless
+    ``zero_outside_topk``; forward ``p (log p - log q)``, reverse ``q (log q - log p)`` summed
+    over the top-k; with ``zero_outside_topk`` the reverse adds the student's mass outside the
+    top-k against a teacher log-prob of -100; mixed ``w fwd + (1 - w) rev``; no clamp; masked
+    token mean. Against :class:`TopKDistillationProcessor` given NeMo RL's teacher logits."""
+    from mcore_hooks import TopKDistillationProcessor
+
+    stock, model, batch = _stock_and_hooked()
+    vocab = model.output_layer.weight.shape[0]
+    b, s = batch["labels"].shape
+    g = torch.Generator().manual_seed(5)
+    k, w, t = 4, 0.3, 0.9
+    teacher_ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(b * s)]).view(b, s, k)
+    teacher_logits = torch.randn(b, s, k, generator=g) * 2
+    mask = (torch.rand(b, s, generator=g) > 0.2).float()
+    logits = stock(**{k_: v for k_, v in batch.items() if k_ != "labels"}).float() / t
+    log_p = torch.log_softmax(teacher_logits, -1)
+    if zero_outside_topk:
+        full = torch.log_softmax(logits, -1)
+        log_q = full.gather(-1, teacher_ids)
+    else:
+        log_q = torch.log_softmax(logits.gather(-1, teacher_ids), -1)
+    forward = (log_p.exp() * (log_p - log_q)).sum(-1)
+    reverse = (log_q.exp() * (log_q - log_p)).sum(-1)
+    if zero_outside_topk:
+        outside = torch.ones_like(full, dtype=torch.bool).scatter_(-1, teacher_ids, False)
+        q_full = full.exp()
+        reverse = reverse + torch.where(outside, q_full * full, 0.0).sum(-1) \
+            + 100.0 * (1.0 - q_full.gather(-1, teacher_ids).sum(-1))
+    kl = {"forward": forward, "reverse": reverse, "mixed": w * forward + (1 - w) * reverse}[kl_type]
+    stock_loss = (kl * mask).sum() / mask.sum()
+    want = _grads(stock, stock_loss)
+    processor = TopKDistillationProcessor(kl_type=kl_type, mixed_kl_weight=w, clamp_min=None, temperature=t,
+                                          renormalise="teacher" if zero_outside_topk else "both")
+    ctx = {"teacher_ids": teacher_ids, "teacher_logprobs": teacher_logits}
+    out = model(**batch, loss_mask=mask, output_processor=processor, output_processor_context=ctx)
+    # float32 sums of O(vocab) terms (the tail's: 100 (1 - sum q), entropy, of O(100) each):
+    # 1e-5 of the terms' magnitude, 100 where the tail is in
+    tol = 1e-5 * (100.0 if zero_outside_topk and kl_type != "forward" else 1.0)
+    torch.testing.assert_close(out["loss"], stock_loss.detach(), rtol=1e-5, atol=tol)
+    torch.testing.assert_close(out["kl"], (kl * mask).detach(), rtol=1e-5, atol=tol)
+    _assert_grads_close(_grads(model, out["loss"]), want)
+
+
+def test_top_k_distillation_options_are_checked():
+    from mcore_hooks import TopKDistillationProcessor
+
+    for bad, match in ((dict(kl_type="jsd"), "kl_type"), (dict(mixed_kl_weight=1.5), "mixed_kl_weight"),
+                       (dict(renormalise="student"), "renormalise")):
+        with pytest.raises(ValueError, match=match):
+            TopKDistillationProcessor(**bad)
+
+
 # --------------------------------------------------------------------------- the rollout's head precision
 
 

@@ -646,12 +646,23 @@ class SelectedLogprobProcessor(_FusedProcessor):
 
 
 class TopKDistillationProcessor(SelectedLogprobProcessor):
-    """Forward KL from a teacher to this model over the teacher's top-k, fused with the output
-    layer (verl's ``forward_kl_topk``, NeMo RL's top-k distillation):
-    ``kl_t = sum_{i in top-k} p_i (log p_i - log q_i)``, ``p`` the teacher's log-probs as
-    given (full-vocabulary log-probs, not renormalised), ``log q_i`` this model's under the full
-    distribution (:class:`SelectedLogprobProcessor`), optionally clamped at ``clamp_min`` (verl
-    clamps at 0: a truncated sum can be negative), aggregated as :class:`PolicyLossProcessor`'s.
+    """KL between a teacher and this model over the teacher's top-k, fused with the output layer.
+
+    The default is verl's ``forward_kl_topk``: ``kl_t = sum_{i in top-k} p_i (log p_i - log
+    q_i)``, ``p`` the teacher's log-probs as given (full-vocabulary log-probs, not renormalised),
+    ``log q_i`` this model's under the full distribution (:class:`SelectedLogprobProcessor`),
+    clamped at ``clamp_min`` (verl clamps at 0: a truncated sum can be negative). NeMo RL's
+    ``DistillationLossFn`` renormalises the teacher over its top-k: ``renormalise="both"`` is its
+    ``zero_outside_topk=False`` (the student renormalised too), ``renormalise="teacher"`` its
+    ``zero_outside_topk=True`` (the student's full-vocabulary log-probs; the reverse KL then adds
+    the student's mass outside the top-k against a teacher log-prob of -100 there,
+    ``sum_{j not in top-k} q_j log q_j + 100 (1 - sum_{top-k} q)``, from the entropy of the same
+    pass); ``kl_type`` and ``mixed_kl_weight`` are its ``kl_type`` and ``mixed_kl_weight``
+    (``"mixed"``: ``w forward + (1 - w) reverse``), with ``clamp_min=None`` (it clamps nothing).
+    With a renormalised teacher, ``teacher_logprobs`` may hold the teacher's top-k logits (NeMo
+    RL passes those): a shift of a row changes nothing. The result is aggregated as
+    :class:`PolicyLossProcessor`'s, over this call's tokens (NeMo RL and verl divide by the global
+    batch's token count: use ``token-sum`` and divide by it).
 
     ``output_processor_context`` holds ``teacher_ids`` (integer ``[b, s, K]``, -1 padding) and
     ``teacher_logprobs`` (float ``[b, s, K]``), aligned with the labels. Counted positions:
@@ -665,6 +676,9 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
             ``seq-mean-token-mean``.
         clamp_min: the per-token KL's lower clamp (None: none; verl: 0.0).
         as_tuple: return the tuple instead of the dict.
+        kl_type: ``"forward"`` (``KL(p || q)``), ``"reverse"`` (``KL(q || p)``) or ``"mixed"``.
+        mixed_kl_weight: ``w`` of ``"mixed"``, in ``[0, 1]``.
+        renormalise: None (verl), ``"teacher"`` or ``"both"`` (NeMo RL), as above.
         temperature: as :class:`FusedLogprobProcessor`'s.
         ignore_index: as :class:`FusedLogprobProcessor`'s.
         chunk_size: as :class:`FusedLogprobProcessor`'s.
@@ -678,12 +692,22 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
         aggregation: str = "token-mean",
         clamp_min: Optional[float] = 0.0,
         as_tuple: bool = False,
+        kl_type: str = "forward",
+        mixed_kl_weight: float = 0.5,
+        renormalise: Optional[str] = None,
         temperature: Union[float, torch.Tensor] = 1.0,
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
         batch_invariant: bool = False,
     ) -> None:
+        if kl_type not in ("forward", "reverse", "mixed"):
+            raise ValueError(f"kl_type: expected 'forward', 'reverse' or 'mixed', got {kl_type!r}")
+        if isinstance(mixed_kl_weight, bool) or not isinstance(mixed_kl_weight, (int, float)) \
+                or not 0.0 <= mixed_kl_weight <= 1.0:
+            raise ValueError(f"mixed_kl_weight: expected a float in [0, 1], got {mixed_kl_weight!r}")
+        if renormalise not in (None, "teacher", "both"):
+            raise ValueError(f"renormalise: expected None, 'teacher' or 'both', got {renormalise!r}")
         if aggregation not in AGGREGATIONS:
             raise ValueError(
                 f"aggregation: expected one of {', '.join(map(repr, AGGREGATIONS))}, got {aggregation!r}")
@@ -694,6 +718,7 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
         super().__init__(temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
                          backend=backend, batch_invariant=batch_invariant)
         self.aggregation, self.clamp_min, self.as_tuple = aggregation, clamp_min, as_tuple
+        self.kl_type, self.mixed_kl_weight, self.renormalise = kl_type, float(mixed_kl_weight), renormalise
 
     def selected_ids(self, ctx: PostprocessContext) -> torch.Tensor:
         """``output_processor_context["teacher_ids"]``."""
@@ -719,13 +744,44 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
         ids = ids.to(k.hidden.device)
         # padding, positions that do not count, and ids of teacher probability 0: no term
         keep = (ids >= 0) & (counted != 0).unsqueeze(1) & (log_p > -math.inf)
+        log_q = r.selected
+        if self.renormalise is not None:
+            log_p = _renormalised(log_p, keep)
+        if self.renormalise == "both":
+            log_q = _renormalised(log_q, keep)
         log_p = torch.where(keep, log_p, 0.0)
-        kl = torch.where(keep, log_p.exp() * (log_p - r.selected), 0.0).sum(dim=1)
+        kl = self._kl(log_p, log_q, keep, r.entropy)
         if self.clamp_min is not None:
             kl = kl.clamp(min=self.clamp_min)
-        loss = _whole_value((token_weight * torch.where(counted != 0, kl, 0.0)).sum(), ctx)
+        kl = torch.where(counted != 0, kl, 0.0)
+        loss = _whole_value((token_weight * kl).sum(), ctx)
         kl_bs = self.to_bs(kl.detach(), k.bs)
         return (loss, kl_bs) if self.as_tuple else {"loss": loss, "kl": kl_bs}
+
+    def _kl(self, log_p: torch.Tensor, log_q: torch.Tensor, keep: torch.Tensor,
+            entropy: torch.Tensor) -> torch.Tensor:
+        """Per-token ``[N]`` KL over the kept ``[N, K]`` entries (``where``, not products, so
+        a masked entry adds nothing, NaN-proof)."""
+        forward = reverse = None
+        if self.kl_type != "reverse":
+            forward = torch.where(keep, log_p.exp() * (log_p - log_q), 0.0).sum(dim=1)
+        if self.kl_type != "forward":
+            q = torch.where(keep, log_q.exp(), 0.0)
+            q_log_q = torch.where(keep, q * log_q, 0.0).sum(dim=1)
+            reverse = q_log_q - torch.where(keep, q * log_p, 0.0).sum(dim=1)
+            if self.renormalise == "teacher":  # outside the top-k: sum q log q + 100 sum q
+                reverse = reverse + (-entropy - q_log_q) + 100.0 * (1.0 - q.sum(dim=1))
+        if forward is None or reverse is None:
+            return forward if reverse is None else reverse
+        w = self.mixed_kl_weight
+        return w * forward + (1.0 - w) * reverse
+
+
+def _renormalised(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` log-values renormalised over each row's kept entries (0 elsewhere); a row
+    with none kept stays finite, so no NaN reaches a gradient through ``where``."""
+    filled = torch.where(keep, values, torch.finfo(values.dtype).min)
+    return torch.where(keep, values - torch.logsumexp(filled, dim=1, keepdim=True), 0.0)
 
 
 def megatron_upstream_grad(config: Any, num_microbatches: int, *, loss_func_returns: int = 2) -> float:
