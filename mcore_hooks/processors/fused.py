@@ -660,7 +660,9 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
     pass); ``kl_type`` and ``mixed_kl_weight`` are its ``kl_type`` and ``mixed_kl_weight``
     (``"mixed"``: ``w forward + (1 - w) reverse``), with ``clamp_min=None`` (it clamps nothing).
     With a renormalised teacher, ``teacher_logprobs`` may hold the teacher's top-k logits (NeMo
-    RL passes those): a shift of a row changes nothing. The result is aggregated as
+    RL passes those): a shift of a row changes nothing. Ids of -1, and teacher log-probs of
+    -inf, are not in the top-k (NeMo RL has neither); a counted position with none left adds
+    nothing. The reverse and mixed KL need ``renormalise``. The result is aggregated as
     :class:`PolicyLossProcessor`'s, over this call's tokens (NeMo RL and verl divide by the global
     batch's token count: use ``token-sum`` and divide by it).
 
@@ -708,6 +710,11 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
             raise ValueError(f"mixed_kl_weight: expected a float in [0, 1], got {mixed_kl_weight!r}")
         if renormalise not in (None, "teacher", "both"):
             raise ValueError(f"renormalise: expected None, 'teacher' or 'both', got {renormalise!r}")
+        if renormalise is None and kl_type != "forward":
+            raise ValueError(
+                f"kl_type={kl_type!r} needs a renormalised teacher (renormalise='teacher' or 'both', "
+                "NeMo RL's): over an unrenormalised top-k the reverse KL is neither verl's loss nor "
+                "NeMo RL's, and can be negative")
         if aggregation not in AGGREGATIONS:
             raise ValueError(
                 f"aggregation: expected one of {', '.join(map(repr, AGGREGATIONS))}, got {aggregation!r}")
@@ -770,7 +777,8 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
             q_log_q = torch.where(keep, q * log_q, 0.0).sum(dim=1)
             reverse = q_log_q - torch.where(keep, q * log_p, 0.0).sum(dim=1)
             if self.renormalise == "teacher":  # outside the top-k: sum q log q + 100 sum q
-                reverse = reverse + (-entropy - q_log_q) + 100.0 * (1.0 - q.sum(dim=1))
+                tail = (-entropy - q_log_q) + 100.0 * (1.0 - q.sum(dim=1))
+                reverse = reverse + torch.where(keep.any(dim=1), tail, 0.0)  # padding: no term
         if forward is None or reverse is None:
             return forward if reverse is None else reverse
         w = self.mixed_kl_weight
