@@ -338,7 +338,8 @@ def reduce_scatter_tokens(x: torch.Tensor, group, ordered: bool = False) -> torc
     rank, world = group_rank_size(group)
     if ordered and world > 2:
         return _slice_in_rank_order(x, group)
-    if x.device.type == "cpu":  # gloo has no reduce_scatter: all-reduce a copy, then slice
+    if x.device.type == "cpu" or dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter:
+        # all-reduce a copy, then slice (gloo also takes CUDA tensors: ranks sharing one GPU)
         x = x.clone()
         dist.all_reduce(x, group=group)
         return x.chunk(world)[rank].clone()
