@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # On the lent GPU machine (see README): install the carried wheels, run the GPU-marked tests, then
-# the benchmark. Usage: bash benchmarks/device_run.sh [tests|bench|quick|ce|profile|tma|splits|rollout|all]   (default: all)
+# the benchmark. Usage: bash benchmarks/device_run.sh [tests|bench|quick|ce|profile|tma|splits|rollout|tp|all]   (default: all)
 # rollout: bench_rollout.py, with Liger's CuTe-DSL SM90 kernel where the nvidia-cutlass-dsl wheels
 # were carried in two parts (.cdsl1/ on one call, .cdsl2/ on the next, the machine kept warm:
 # the libs wheel is 92 MB, over one call's carry limit).
+# tp: bench_tp.py: TP=N against TP=1 with the ranks sharing GPU 0 (gloo), then the timings at every
+# TP degree the machine has GPUs for, with Liger's native TP loss where benchmarks/get_liger_tp.sh
+# put liger-cute-kernels' Hopper core in .whl/lck_sm90.tar.xz.
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-benchmarks/out}
@@ -11,6 +14,11 @@ mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1  # the DSL's .pth is not read under --target
 nvidia-smi -L
+if [ -f .whl/lck_sm90.tar.xz ]; then  # its libraries (CUDA 12 runtime, NVSHMEM) found by the loader
+  tar -C /tmp/site -xJf .whl/lck_sm90.tar.xz || exit 1
+  export LD_LIBRARY_PATH=/tmp/site/liger_cute_kernels${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export NVSHMEM_REMOTE_TRANSPORT=none  # one node: NVLink only (no InfiniBand transport carried)
+fi
 rc=0
 if [ -d .cdsl1 ]; then mkdir -p /tmp/cdsl && cp .cdsl1/* /tmp/cdsl/; fi
 if [ -d .cdsl2 ] && [ -f /tmp/cdsl/cu12part.aa ]; then
@@ -39,6 +47,10 @@ if [ "$what" = profile ]; then
 fi
 if [ "$what" = rollout ]; then
   timeout 540 python3 benchmarks/bench_rollout.py 2>&1 | tee "$out/bench_rollout.log" | grep -v '^{' | tail -60 || rc=1
+fi
+if [ "$what" = tp ]; then
+  timeout 240 python3 benchmarks/bench_tp.py --emulate --check-only --tp 2 4 --out "$out/tp_check" 2>&1 | tee "$out/tp_check.log" | grep -v '^{' | tail -50 || rc=1
+  timeout 540 python3 benchmarks/bench_tp.py --out "$out/tp" 2>&1 | tee "$out/tp.log" | grep -v '^{' | tail -40 || rc=1
 fi
 if [ "$what" = quick ]; then
   timeout 400 python3 benchmarks/bench_postprocess.py --quick --tp2 --out "$out" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -40 || rc=1
