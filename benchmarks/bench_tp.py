@@ -155,8 +155,10 @@ def stock(s: Setup, aux) -> Callable:
     g = s.group
 
     def run(x, w, y):
-        if s.world > 1:
-            x = gather_from_sequence_parallel_region(x, group=g) if s.sp else copy_to_tensor_model_parallel_region(x, group=g)
+        if s.world > 1 and s.sp:
+            x = gather_from_sequence_parallel_region(x, group=g)
+        elif s.world > 1:
+            x = copy_to_tensor_model_parallel_region(x, group=g)
         logits = (x @ w.t()).unsqueeze(1)  # [s, b=1, V_local] bf16, as the output layer returns
         lp = -vocab_parallel_cross_entropy(logits, y.unsqueeze(1), tp_group=g).squeeze(1)
         ent = _VocabParallelEntropy.apply(logits.squeeze(1), g)
