@@ -236,6 +236,28 @@ if triton is not None:
         tl.store(T + row, tl.sum(acc, axis=0) * tl.load(COEF + row))
 
     @triton.jit
+    def _grad_rows(COEF, M, LOGS, ENT, G1, G2, LABEL, rows, rmask):
+        """A block of rows' logit gradient inputs: coef, the forward's max, log s and entropy,
+        the upstream gradients of log-prob and entropy, the label (-1: none)."""
+        return (tl.load(COEF + rows, mask=rmask, other=1.0), tl.load(M + rows, mask=rmask, other=0.0),
+                tl.load(LOGS + rows, mask=rmask, other=0.0), tl.load(ENT + rows, mask=rmask, other=0.0),
+                tl.load(G1 + rows, mask=rmask, other=0.0), tl.load(G2 + rows, mask=rmask, other=0.0),
+                tl.load(LABEL + rows, mask=rmask, other=-1))
+
+    @triton.jit
+    def _dlogits(u, cols, label, log_s, ent, g1, g2):
+        """d/dl of g1*logprob + g2*entropy at ``u = l - max`` (``cols``: the columns' global ids,
+        broadcast against the rows); the caller multiplies by coef (l = coef * z).
+
+        log p = u - log s, never l - logZ (see autograd's docstring); exp as tl.exp computes it
+        (ex2 of a log2e-scaled argument), with that scaling and the log s shift in one fma, so
+        a tile costs no more than with a single logZ. log p + entropy = u + (entropy - log s).
+        """
+        p = tl.exp2(u * 1.4426950408889634 - (log_s * 1.4426950408889634)[:, None])
+        dl = -p * (g1[:, None] + g2[:, None] * (u + (ent - log_s)[:, None]))
+        return dl + tl.where(cols == label[:, None], g1[:, None], 0.0)
+
+    @triton.jit
     def _dlogits_kernel(
         X, W, COEF, LABEL, M, LOGS, ENT, G1, G2, DZ,
         N, V, H, v0, Vc, stride_x, stride_w, stride_dz,
@@ -249,27 +271,13 @@ if triton is not None:
         cols_local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         cols = v0 + cols_local
         cmask = (cols_local < Vc) & (cols < V)
-        coef = tl.load(COEF + rows, mask=rmask, other=1.0)
-        m = tl.load(M + rows, mask=rmask, other=0.0)
-        log_s = tl.load(LOGS + rows, mask=rmask, other=0.0)
-        ent = tl.load(ENT + rows, mask=rmask, other=0.0)
-        g1 = tl.load(G1 + rows, mask=rmask, other=0.0)
-        g2 = tl.load(G2 + rows, mask=rmask, other=0.0)
-        label = tl.load(LABEL + rows, mask=rmask, other=-1)
+        coef, m, log_s, ent, g1, g2, label = _grad_rows(COEF, M, LOGS, ENT, G1, G2, LABEL, rows, rmask)
         # Under TMA a tile may run past the chunk into the next one's rows; those columns are
         # computed and then masked (cmask), never stored.
-        # u = l - max. log p = u - log s, never l - logZ (see autograd's docstring); exp as
-        # tl.exp computes it (ex2 of a log2e-scaled argument), with that scaling and the log s
-        # shift in one fma, so the tile costs no more than with a single logZ.
         u = _logits_tile(X, W, rows, cols, rmask, cmask, pid_n * BLOCK_N, v0 + pid_v * BLOCK_V,
                          H, stride_x, stride_w, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K,
                          USE_TMA) * coef[:, None] - m[:, None]
-        p = tl.exp2(u * 1.4426950408889634 - (log_s * 1.4426950408889634)[:, None])
-        # d/dl_j of g1*logprob + g2*entropy (log p + entropy = u + (entropy - log s)); then
-        # through l = coef * z
-        dl = -p * (g1[:, None] + g2[:, None] * (u + (ent - log_s)[:, None]))
-        dl += tl.where(cols[None, :] == label[:, None], g1[:, None], 0.0)
-        dz = dl * coef[:, None]
+        dz = _dlogits(u, cols[None, :], label, log_s, ent, g1, g2) * coef[:, None]
         ptr = DZ + rows[:, None].to(tl.int64) * stride_dz + cols_local[None, :]
         tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
@@ -289,17 +297,8 @@ if triton is not None:
         mask = rmask[:, None] & (ks < K)[None, :]
         at = rows.to(tl.int64)[:, None] * K + ks[None, :]
         cols = tl.load(COLS + at, mask=mask, other=-1)
-        coef = tl.load(COEF + rows, mask=rmask, other=1.0)
-        m = tl.load(M + rows, mask=rmask, other=0.0)
-        log_s = tl.load(LOGS + rows, mask=rmask, other=0.0)
-        ent = tl.load(ENT + rows, mask=rmask, other=0.0)
-        g1 = tl.load(G1 + rows, mask=rmask, other=0.0)
-        g2 = tl.load(G2 + rows, mask=rmask, other=0.0)
-        label = tl.load(LABEL + rows, mask=rmask, other=-1)
-        u = tl.load(L + at, mask=mask, other=0.0) - m[:, None]
-        p = tl.exp2(u * 1.4426950408889634 - (log_s * 1.4426950408889634)[:, None])
-        dl = -p * (g1[:, None] + g2[:, None] * (u + (ent - log_s)[:, None]))
-        dl += tl.where(cols == label[:, None], g1[:, None], 0.0)
+        coef, m, log_s, ent, g1, g2, label = _grad_rows(COEF, M, LOGS, ENT, G1, G2, LABEL, rows, rmask)
+        dl = _dlogits(tl.load(L + at, mask=mask, other=0.0) - m[:, None], cols, label, log_s, ent, g1, g2)
         for j in range(0, K):  # every entry naming the column (ids may repeat), in order
             c = tl.load(COLS + rows.to(tl.int64) * K + j, mask=rmask, other=-1)
             g = tl.load(G + rows.to(tl.int64) * K + j, mask=rmask, other=0.0)
