@@ -2,8 +2,9 @@
 native tensor-parallel loss, at TP = 1, 2, 4, 8, sequence parallelism off and on.
 
     python benchmarks/bench_tp.py --out DIR                  # one rank per GPU, NCCL, TP 1..8
-    python benchmarks/bench_tp.py --tp 1 2 --check-only      # TP=N against TP=1, bit for bit
+    python benchmarks/bench_tp.py --tp 2 --check-only        # TP=N against TP=1, per quantity
     python benchmarks/bench_tp.py --emulate --tp 2 4 --check-only   # ranks share GPU 0 over gloo
+    python benchmarks/bench_tp.py --cpu --tp 2 4 --check-only       # CPU ranks, torch backend
 
 Methods (bf16 hidden states and output weight, the vocabulary split over the ranks):
 
@@ -26,8 +27,9 @@ first tokens (norm-wise relative, and the largest absolute).
 
 ``--check-only`` (or the check that precedes every timing run) compares every processor's
 kernel at TP=N with the same kernel at TP=1 on the same inputs: values, dX and this rank's dW
-rows, reporting the largest difference and whether they are bitwise equal. ``--emulate`` runs
-the ranks on one GPU over gloo (for that check; its timings mean nothing and are not taken).
+rows, reporting each quantity's largest difference in units of its dtype's epsilon times its
+largest magnitude (0: bitwise equal). ``--emulate`` runs the ranks on one GPU over gloo, ``--cpu``
+on CPU with the torch backend and a small shape (the check only: timings there mean nothing).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import math
 import os
 import queue
 import socket
+import statistics
 import sys
 import time
 import traceback
@@ -51,7 +54,8 @@ SHAPES = [(16384, 4096, 151936), (32768, 8192, 128256)]
 CHECK_SHAPE = (2048, 2048, 151936)  # real vocabulary, so the shards are a real model's
 GRPO_SEQ = 1024
 ACC_TOKENS = 1024
-BACKEND = "triton"  # the kernels' backend ("torch" lets the check run on CPU ranks)
+BACKEND = "triton"  # the kernels' backend; ``--cpu`` sets "torch"
+CPU_CHECK_SHAPE = (64, 32, 1024)
 
 
 # --------------------------------------------------------------------------- collectives as autograd
@@ -169,10 +173,11 @@ def stock(s: Setup, aux) -> Callable:
 
 def liger_tp(s: Setup, aux) -> Callable:
     from liger_kernel.ops.fused_linear_scaled_cross_entropy import (
-        LigerFusedLinearScaledCrossEntropyTPFunction, _load_native_tp_function)
+        LigerFusedLinearScaledCrossEntropyTPFunction, _load_native_tp_function, _supports_native_tp_architecture)
 
-    if _load_native_tp_function() is None:  # its fallback would be timed without a word otherwise
-        raise RuntimeError("Liger's native TP path is unavailable (liger-cute-kernels not loadable)")
+    # the frontend falls back to its Verl-derived path, without a word, unless all of these hold
+    if _load_native_tp_function() is None or not _supports_native_tp_architecture(torch.device("cuda")):
+        raise RuntimeError("Liger's native TP path is unavailable here (liger-cute-kernels or the GPU)")
 
     def run(x, w, y):
         if s.sp and s.world > 1:
@@ -215,7 +220,7 @@ def timed(call: Callable[[], None], iters: int, warmup: int) -> float:
         call()
         b.record()
     torch.cuda.synchronize()
-    return sorted(a.elapsed_time(b) for a, b in ev)[iters // 2]
+    return statistics.median(a.elapsed_time(b) for a, b in ev)
 
 
 def measure(fn, x, w, y, backward: bool, iters: int, warmup: int, group) -> tuple[float, float]:
@@ -260,10 +265,11 @@ def mine(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- TP=N against TP=1
 
 
-def check_cases():
+def check_cases(vocab: int):
     """(name, fn(x, w, y, parallel, batch_invariant) -> ({quantity: tensor}, scalar to backward))
     per processor's kernel: log-prob + entropy, selected ids (a teacher's top-k), kept ids (a
-    sampling mask replayed), cross-entropy, policy loss."""
+    sampling mask replayed), cross-entropy, policy loss. Temperature 0.7 for the first three, 1
+    for the losses."""
     from mcore_hooks.kernels import PolicyLoss, linear_cross_entropy, linear_logprob_entropy, linear_policy_loss
 
     def lpe(x, w, y, par, inv, **kw):
@@ -291,11 +297,13 @@ def check_cases():
                                inputs={"old_logprobs": old, "advantages": adv}, batch_invariant=inv)
         return dict(loss=r.loss.detach(), logprob=r.logprob, entropy=r.entropy), r.loss
 
-    v = CHECK_SHAPE[2]
+    def ids_for(y, k):
+        return ids(y, k, vocab)
+
     return [
         ("logprob+entropy", lpe),
-        ("selected ids K=8", lambda x, w, y, par, inv: lpe(x, w, y, par, inv, selected_ids=ids(y, 8, v))),
-        ("kept ids K=64", lambda x, w, y, par, inv: lpe(x, w, y, par, inv, kept_ids=ids(y, 64, v))),
+        ("selected ids K=8", lambda x, w, y, par, inv: lpe(x, w, y, par, inv, selected_ids=ids_for(y, 8))),
+        ("kept ids K=64", lambda x, w, y, par, inv: lpe(x, w, y, par, inv, kept_ids=ids_for(y, 64))),
         ("cross-entropy (sum)", ce),
         ("policy loss", policy),
     ]
@@ -314,10 +322,10 @@ def check(rank: int, world: int, group, device) -> list[dict]:
     """Every case at TP=N against TP=1 on this rank (the whole weight, no group), SP off and on,
     batch invariance off and on: per quantity (values, dX, this rank's dW rows), the largest
     difference over the ranks in units of its dtype's epsilon."""
-    x0, w0, y = inputs(CHECK_SHAPE, device, seed=1)
+    x0, w0, y = inputs(CPU_CHECK_SHAPE if device.type == "cpu" else CHECK_SHAPE, device, seed=1)
     v_local = w0.shape[0] // world
     rows = []
-    for name, fn in check_cases():
+    for name, fn in check_cases(w0.shape[0]):
         for inv in (False, True):
             for sp in ((False, True) if world > 1 else (False,)):
                 s = Setup(group, rank, world, w0.shape[0], sp)
@@ -332,6 +340,7 @@ def check(rank: int, world: int, group, device) -> list[dict]:
                 ref.update(dX=mine(x1.grad, rank, world) if s.sp else x1.grad,
                            dW=w1.grad[rank * v_local:(rank + 1) * v_local])
                 diffs = torch.tensor([eps_diff(got[k], ref[k]) for k in got], dtype=torch.float64, device=device)
+                diffs = diffs.nan_to_num(nan=math.inf)  # a NaN must not vanish in the MAX
                 dist.all_reduce(diffs, op=dist.ReduceOp.MAX, group=group)
                 rows.append(dict(case=name, batch_invariant=inv, sp=sp, tp=world,
                                  eps_diff=dict(zip(got, diffs.tolist()))))
@@ -341,12 +350,36 @@ def check(rank: int, world: int, group, device) -> list[dict]:
 # --------------------------------------------------------------------------- one rank
 
 
+def method_row(name, s: Setup, aux, xi, w, y, ref, dx_ref, args) -> dict:
+    """One method's row on this rank: accuracy on the first tokens (rank 0), then its timings."""
+    row: dict = {}
+    fn = METHODS[name](s, aux)
+    with torch.no_grad():
+        got = fn(xi, w, y)[0][:ACC_TOKENS].double()
+    xi.grad = w.grad = None
+    fn(xi, w, y)[1].backward()
+    if ref is not None:
+        row["logprob_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+        row["logprob_max_abs_err"] = (got - ref).abs().max().item()
+        if name != "hooks-policy":  # the others' loss is sum(log-prob + entropy)
+            dx = xi.grad[:ACC_TOKENS].double()
+            row["dx_rel_err"] = ((dx - dx_ref).norm() / dx_ref.norm()).item()
+    for bwd in (False, True):
+        ms, mib = measure(fn, xi, w, y, bwd, args.iters, args.warmup, s.group)
+        row["fwd+bwd" if bwd else "fwd"] = dict(ms=round(ms, 2), peak_extra_mib=round(mib, 1))
+    return row
+
+
 def worker(rank: int, world: int, port: int, args, q) -> None:
+    global BACKEND
     try:
-        device = torch.device("cuda", 0 if args.emulate else rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("gloo" if args.emulate else "nccl", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world)
+        if args.cpu:
+            BACKEND, device = "torch", torch.device("cpu")
+        else:
+            device = torch.device("cuda", 0 if args.emulate else rank)
+            torch.cuda.set_device(device)
+        dist.init_process_group("gloo" if args.emulate or args.cpu else "nccl",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         group = dist.group.WORLD
         result: dict = dict(tp=world, check=check(rank, world, group, device) if world > 1 else [])
         if args.check_only:
@@ -385,26 +418,23 @@ def worker(rank: int, world: int, port: int, args, q) -> None:
                         row["error"] = liger_note
                         rows.append(row)
                         continue
+                    err = None
                     try:
-                        fn = METHODS[name](s, aux)
-                        with torch.no_grad():
-                            got = fn(xi, w, y)[0][:ACC_TOKENS].double()
-                        xi.grad = w.grad = None
-                        fn(xi, w, y)[1].backward()
-                        if ref is not None:
-                            row["logprob_rel_err"] = ((got - ref).norm() / ref.norm()).item()
-                            row["logprob_max_abs_err"] = (got - ref).abs().max().item()
-                            if name != "hooks-policy":  # the others' loss is sum(log-prob + entropy)
-                                dx = xi.grad[:ACC_TOKENS].double()
-                                row["dx_rel_err"] = ((dx - dx_ref).norm() / dx_ref.norm()).item()
-                        for bwd in (False, True):
-                            ms, mib = measure(fn, xi, w, y, bwd, args.iters, args.warmup, group)
-                            row["fwd+bwd" if bwd else "fwd"] = dict(ms=round(ms, 2), peak_extra_mib=round(mib, 1))
+                        row.update(method_row(name, s, aux, xi, w, y, ref, dx_ref, args))
                     except torch.cuda.OutOfMemoryError:
-                        row["error"] = "OOM"
+                        err = "OOM"
                     except Exception as e:  # noqa: BLE001 - a method's refusal is its row's result
-                        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+                        err = f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}"
                     torch.cuda.empty_cache()
+                    # The ranks agree on the outcome. A failure on every rank at the same point
+                    # (an OOM or a kernel's refusal at one shape) leaves them in step; one on a
+                    # single rank mid-collective cannot be recovered from: NCCL's watchdog or
+                    # run_tp's deadline ends the run.
+                    failed = torch.tensor([1.0 if err else 0.0], device=device)
+                    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+                    if err or failed.item():
+                        row = {k: row[k] for k in ("shape", "tp", "sp", "method")}
+                        row["error"] = err or "failed on another rank"
                     if rank == 0:
                         print(json.dumps(row), flush=True)
                     rows.append(row)
@@ -428,26 +458,31 @@ def run_tp(world: int, args) -> dict:
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, port, args, q)) for r in range(world)]
+    # daemons: a parent killed by a timeout takes its ranks (and their GPU memory) with it
+    procs = [ctx.Process(target=worker, args=(r, world, port, args, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     res, deadline = [], time.monotonic() + args.timeout
-    while len(res) < world:  # a rank that dies without reporting (a native abort) fails the run
-        try:
-            res.append(q.get(timeout=5))
-        except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"TP={world}: ranks {dead} died" if dead else f"TP={world}: timed out")
-    res.sort(key=lambda r: r[0])
-    for p in procs:
-        p.join(60)
-    errors = [f"rank {r}: {tb}" for r, _, tb in res if tb]
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    return res[0][1]
+    try:
+        while len(res) < world:  # the first rank to fail ends the run, with its traceback
+            try:
+                rank, out, tb = q.get(timeout=5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"TP={world}: ranks {dead} died without a word (a native abort?)")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"TP={world}: timed out after {args.timeout} s")
+                continue
+            if tb:
+                raise RuntimeError(f"TP={world}, rank {rank}:\n{tb}")
+            res.append((rank, out))
+    finally:
+        for p in procs:
+            if len(res) < world:
+                p.kill()
+            p.join(60)
+    return min(res, key=lambda r: r[0])[1]
 
 
 # --------------------------------------------------------------------------- report
@@ -464,7 +499,7 @@ def report(meta: dict, results: list[dict]) -> str:
                   "efficiency fwd / fwd+bwd | log-prob rel / max abs err | dX rel err |", "|" + "---|" * 11]
         for r in rows:
             if "error" in r:
-                lines.append(f"| {r['shape']} | {r['tp']} | {r['sp']} | {r['method']} | {r['error']} ||||||||")
+                lines.append(f"| {r['shape']} | {r['tp']} | {r['sp']} | {r['method']} | {r['error']} |||||||")
                 continue
             b = base.get((tuple(r["shape"]), r["method"]))
             eff = " / ".join(f"{b[k]['ms'] / (r['tp'] * r[k]['ms']):.2f}" if b and k in b else "-"
@@ -472,11 +507,14 @@ def report(meta: dict, results: list[dict]) -> str:
             acc = (f"{r['logprob_rel_err']:.1e} / {r['logprob_max_abs_err']:.1e}" if "logprob_rel_err" in r else "-")
             lines.append(f"| {r['shape']} | {r['tp']} | {r['sp']} | {r['method']} | {r['fwd']['ms']} | "
                          f"{r['fwd']['peak_extra_mib']} | {r['fwd+bwd']['ms']} | {r['fwd+bwd']['peak_extra_mib']} | "
-                         f"{eff} | {acc} | {r.get('dx_rel_err', float('nan')):.1e} |")
+                         f"{eff} | {acc} | {format(r['dx_rel_err'], '.1e') if 'dx_rel_err' in r else '-'} |")
+    lines += [f"TP={res['tp']} failed: {res['error'].strip().splitlines()[-1]}" for res in results if "error" in res]
     checks = [c for res in results for c in res.get("check", [])]
     if checks:
-        lines += ["", f"TP=N against TP=1, shape {list(CHECK_SHAPE)}: each quantity's largest difference in units "
-                  "of its dtype's epsilon (0: bitwise equal; dX bf16, everything else float32):", "",
+        shape = list(CPU_CHECK_SHAPE if meta["gpus"] == 0 else CHECK_SHAPE)
+        lines += ["", f"TP=N against TP=1, shape {shape}: each quantity's largest difference in units of its "
+                  "dtype's epsilon times its largest magnitude (0: bitwise equal; dX and dW in the inputs' "
+                  "dtype, values float32):", "",
                   "| case | TP | SP | invariant | bitwise | differing (eps) |", "|" + "---|" * 6]
         for c in checks:
             same = [k for k, d in c["eps_diff"].items() if d == 0]
@@ -496,12 +534,13 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--check-only", action="store_true", help="TP=N against TP=1 only, no timing")
     ap.add_argument("--emulate", action="store_true", help="all ranks on GPU 0 over gloo (with --check-only)")
+    ap.add_argument("--cpu", action="store_true", help="CPU ranks, torch backend, small shape (with --check-only)")
     ap.add_argument("--timeout", type=int, default=1800)
     args = ap.parse_args()
-    if args.emulate and not args.check_only:
-        ap.error("--emulate shares one GPU between ranks: only --check-only means anything there")
+    if (args.emulate or args.cpu) and not args.check_only:
+        ap.error("--emulate and --cpu are for --check-only: timings there mean nothing")
     os.makedirs(args.out, exist_ok=True)
-    import triton
+    gpus = 0 if args.cpu else torch.cuda.device_count()
 
     try:
         import megatron.core as mc
@@ -510,25 +549,32 @@ def main() -> int:
         mcore = None
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        liger = version("liger_kernel")
-    except PackageNotFoundError:
-        liger = None
-    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(0),
-                gpus=torch.cuda.device_count(), torch=torch.__version__, triton=triton.__version__,
-                megatron_core=mcore, liger_kernel=liger, command="python " + " ".join(sys.argv))
+    versions = {}
+    for pkg in ("triton", "liger_kernel"):
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            versions[pkg] = None
+    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(0) if gpus else "CPU",
+                gpus=gpus, torch=torch.__version__, triton=versions.get("triton"),
+                megatron_core=mcore, liger_kernel=versions.get("liger_kernel"),
+                command="python " + " ".join(sys.argv))
     print(json.dumps(meta), flush=True)
     results = []
     for world in args.tp:
-        if world > torch.cuda.device_count() and not args.emulate:
-            print(json.dumps(dict(tp=world, skipped=f"{torch.cuda.device_count()} GPU(s)")), flush=True)
+        if world > gpus and not (args.emulate or args.cpu):
+            print(json.dumps(dict(tp=world, skipped=f"{gpus} GPU(s)")), flush=True)
             continue
-        res = run_tp(world, args)
-        for c in res["check"]:
+        try:
+            res = run_tp(world, args)
+        except RuntimeError as e:  # this degree's failure is its result; the others still run
+            res = dict(tp=world, error=str(e)[-4000:])
+            print(res["error"], flush=True)
+        for c in res.get("check", []):
             print(json.dumps(c), flush=True)
         results.append(res)
-    with open(os.path.join(args.out, "bench_tp.json"), "w") as f:
-        json.dump(dict(meta=meta, results=results), f, indent=1)
+        with open(os.path.join(args.out, "bench_tp.json"), "w") as f:  # after every degree
+            json.dump(dict(meta=meta, results=results), f, indent=1)
     text = report(meta, results)
     with open(os.path.join(args.out, "bench_tp.md"), "w") as f:
         f.write(text)

@@ -9,16 +9,16 @@
 #     is 72 MB; its device bitcode and transports are not needed on one node), and the CUDA 12
 #     runtime its release build links (libcudart.so.12; torch on the GPU machine is CUDA 13).
 # benchmarks/device_run.sh unpacks it into the install target and puts it on LD_LIBRARY_PATH.
-set -eu
+set -euo pipefail
 mkdir -p .whl
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 dl() {
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d "$1" "$2" 2>&1 | grep -v -i warn || true
+    --platform manylinux2014_x86_64 -d "$1" "$2" 2>&1 | { grep -v -i warn || true; }
 }
-dl .whl "apache-tvm-ffi"
+dl .whl "apache-tvm-ffi==0.1.15.post2"  # the version liger-cute-kernels 0.8.5 ran with here
 dl "$tmp" "liger-cute-kernels==0.8.5"
 dl "$tmp" "nvidia-nvshmem-cu12==3.6.5"
 dl "$tmp" "nvidia-cuda-runtime-cu12==12.9.*"
