@@ -4,16 +4,24 @@
 Where the config asks for ``gradient_accumulation_fusion``, Megatron's own linear layers add their
 weight gradient into ``main_grad`` and hand autograd a placeholder; the processors do the same
 through the kernels' ``weight_grad_accumulator`` and :func:`main_grad_route`.
+
+Nothing here outlives the autograd graph that needs it: the hand-off is a node of that graph
+(freed with it, whether or not a backward runs), and the only sharing between calls is inside
+one :func:`shared_routes` block (one model forward with its MTP depths). Its backward's side
+effects (the flag DDP reads, the placeholder) run in a custom op, so ``torch.compile`` keeps
+them at run time instead of tracing them away.
 """
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Optional
+import contextlib
+import contextvars
+from typing import Any, Iterator, Optional
 
 import torch
+from torch import Tensor
 
-__all__ = ["main_grad_accumulator", "main_grad_route"]
+__all__ = ["main_grad_accumulator", "main_grad_route", "shared_routes"]
 
 
 def main_grad_accumulator(weight: torch.Tensor, config: Any) -> Optional[torch.Tensor]:
@@ -31,69 +39,88 @@ def main_grad_accumulator(weight: torch.Tensor, config: Any) -> Optional[torch.T
     return main_grad
 
 
+@torch.library.custom_op("mcore_hooks::main_grad_handoff", mutates_args=())
+def main_grad_handoff(weight: Tensor, grad: Optional[Tensor], mark: bool, zero: bool) -> Tensor:
+    """The hand-off's backward, at run time (an op: ``torch.compile`` cannot trace it away):
+    ``grad`` (from an op other than the kernels, which add into ``main_grad`` themselves) added
+    into ``weight.main_grad``; with ``mark`` (the weight has DDP's ``grad_added_to_main_grad``),
+    the weight marked and Megatron's placeholder returned, ``[V/tp, h]`` in the weight's dtype,
+    zeros where ``zero`` (``zero_out_wgrad``: a weight tied to the embedding on this stage,
+    whose real gradient DDP adds from the same ``.grad``). Without ``mark``: empty."""
+    if grad is not None:
+        main_grad = getattr(weight, "main_grad", None)
+        if not isinstance(main_grad, torch.Tensor):
+            raise RuntimeError(_LOST)
+        main_grad.add_(grad)
+    if not mark:
+        return weight.new_empty(0)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        raise RuntimeError(_LOST)
+    weight.grad_added_to_main_grad = True
+    make = torch.zeros if zero else torch.empty
+    return make(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+_LOST = ("main_grad hand-off: the output weight reached the backward without Megatron DDP's "
+         "attributes (main_grad, grad_added_to_main_grad) it had in the forward, so its gradient "
+         "cannot be handed to DDP; was the weight replaced between the forward and the backward?")
+
+
+@main_grad_handoff.register_fake
+def _(weight, grad, mark, zero):
+    return weight.new_empty(weight.shape if mark else (0,))
+
+
 class _MainGradHandoff(torch.autograd.Function):
     """Megatron's protocol for a weight gradient added straight into ``main_grad``, as its
-    ``LinearWithGradAccumulationAndAsyncCommunication`` follows it: once the kernels' backward
-    has accumulated (they feed this node, and hand it no gradient), mark
-    ``grad_added_to_main_grad`` and hand autograd a placeholder, zeros where ``zero_out_wgrad``
-    (a weight tied to the embedding on this stage, whose real gradient is added to the same
-    ``.grad``), so DDP's hook runs and adds nothing twice. Without DDP's attribute: no
-    gradient, as Megatron's layers return none.
-
-    The placeholder is ``[V/tp, h]`` in the weight's dtype, as Megatron's layers allocate theirs:
-    DDP's hook asserts a ``.grad`` under ``overlap_grad_reduce``, and autograd stores a gradient
-    that does not have the weight's strides as a dense copy (a zero-stride one would be copied
-    to full size anyway). One node serves every call that routes the weight before its backward
-    runs (the main head and each MTP depth), so one placeholder is made per backward, not one per
-    call for autograd to sum."""
+    ``LinearWithGradAccumulationAndAsyncCommunication`` follows it: a node between the weight
+    and the kernels that use it, whose backward runs once they have all accumulated (they feed
+    it no gradient) and hands the weight the placeholder (:func:`main_grad_handoff`), so DDP's
+    hook runs and adds nothing twice. Without DDP's attribute: no gradient, as Megatron's layers
+    return none. ``mark`` and ``zero`` are read in the forward, from the real weight (a traced
+    backward would see a fake one without them)."""
 
     @staticmethod
-    def forward(ctx, weight, main_grad):
+    def forward(ctx, weight, mark: bool, zero: bool):
         ctx.set_materialize_grads(False)  # the kernels hand this node nothing: run without zeros
-        ctx.weight, ctx.main_grad, ctx.ran = weight, main_grad, False
+        # the parameter itself, not saved: saved-tensor hooks (an activation-checkpointed region,
+        # offloading) would hand the backward a detached copy, without DDP's attributes
+        ctx.weight, ctx.mark, ctx.zero = weight, mark, zero
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.ran = True
-        weight = ctx.weight
-        if not torch.compiler.is_compiling():  # compiled calls never enter the table
-            with _LOCK:
-                pending = _PENDING.get(id(weight))
-                if pending is not None and pending.grad_fn is ctx:
-                    del _PENDING[id(weight)]
-        if grad is not None:  # from an op other than the kernels that used the routed weight
-            ctx.main_grad.add_(grad)
-        if not hasattr(weight, "grad_added_to_main_grad"):
-            return None, None
-        weight.grad_added_to_main_grad = True
-        make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-        return make(weight.shape, dtype=weight.dtype, device=weight.device), None
+        placeholder = main_grad_handoff(ctx.weight, grad, ctx.mark, ctx.zero)
+        return (placeholder if ctx.mark else None), None, None
 
 
-# id(weight) -> the weight's routed view whose hand-off has not run yet. Held strongly: a kernel
-# that saves no weight (the fused losses) or a checkpointed region (whose saved tensors are
-# packed) leaves nothing else holding it, and a dropped view would mean one more placeholder.
-# The hand-off's backward removes its entry; one left by a graph freed without a backward is
-# reused by the weight's next call (whose backward then runs it).
-_PENDING: dict[int, torch.Tensor] = {}
-_LOCK = threading.Lock()
+# Within one shared_routes() block, id(weight) -> (weight, its routed view): the main head and
+# each MTP depth of one forward share one hand-off node, so autograd gets one placeholder per
+# forward, not one per call to sum. The table is the block's own and goes with it.
+_ROUTES: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("mcore_hooks_routes", default=None)
 
 
-def _routed(weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
-    """``weight`` through the hand-off: the pending node of an earlier call when its backward has
-    not run yet (one placeholder per backward), else a new one. Under ``torch.compile`` one node
-    per call (the compiled graph cannot consult this table)."""
-    if torch.compiler.is_compiling():
-        return _MainGradHandoff.apply(weight, main_grad)
-    with _LOCK:
-        routed = _PENDING.get(id(weight))
-        if (routed is not None and routed._base is weight and not routed.grad_fn.ran
-                and routed.grad_fn.main_grad is main_grad):
-            return routed
-        routed = _MainGradHandoff.apply(weight, main_grad)
-        _PENDING[id(weight)] = routed
-        return routed
+@contextlib.contextmanager
+def shared_routes() -> Iterator[None]:
+    """Within the block (one model forward, or one schedule-plan post-process node, with its MTP
+    depths) every call that routes a weight shares one hand-off node; none outside it."""
+    token = _ROUTES.set({})
+    try:
+        yield
+    finally:
+        _ROUTES.reset(token)
+
+
+def _routed(weight: torch.Tensor) -> torch.Tensor:
+    mark = hasattr(weight, "grad_added_to_main_grad")
+    zero = bool(getattr(weight, "zero_out_wgrad", False))
+    routes = None if torch.compiler.is_compiling() else _ROUTES.get()
+    if routes is None:
+        return _MainGradHandoff.apply(weight, mark, zero)
+    seen = routes.get(id(weight))
+    if seen is None or seen[0] is not weight:
+        seen = routes[id(weight)] = (weight, _MainGradHandoff.apply(weight, mark, zero))
+    return seen[1]
 
 
 def main_grad_route(weight: torch.Tensor, config: Any) -> tuple[torch.Tensor, dict]:
@@ -104,4 +131,4 @@ def main_grad_route(weight: torch.Tensor, config: Any) -> tuple[torch.Tensor, di
     main_grad = main_grad_accumulator(weight, config)
     if main_grad is None:
         return weight, {}
-    return _routed(weight, main_grad), dict(weight_grad_accumulator=main_grad)
+    return _routed(weight), dict(weight_grad_accumulator=main_grad)

@@ -322,7 +322,8 @@ def mtp_loss_hook(model: Any, mtp_loss: Optional[MTPLossFn], calls: "MTPCalls",
     # A bound method of the model, like the one it replaces (processors find the model by it).
     model.compute_language_model_loss = types.MethodType(compute_language_model_loss, model)
     try:
-        yield
+        with main_grad.shared_routes():  # the depths and the main head: one main_grad hand-off
+            yield
     finally:
         _LABELS_GIVEN.reset(token)
         for obj, name, original in saved:

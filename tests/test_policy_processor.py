@@ -309,15 +309,17 @@ def _handoff_nodes(root) -> set:
 
 
 @pytest.mark.parametrize("declared", [None, 1.0], ids=["in-backward", "declared"])
-def test_one_placeholder_per_backward_for_the_head_and_every_mtp_depth(declared):
+def test_one_placeholder_per_forward_for_the_head_and_every_mtp_depth(declared):
     """The main head (the policy loss; with its gradient declared, the fused op, which saves no
-    weight) and two MTP depths route the same weight into main_grad: one hand-off node (one [V/tp, h] placeholder per backward, as
-    Megatron's own layer makes), not one per call for autograd to sum. Two micro-batches
-    interleaved as 1F1B does (forward, forward, backward, backward): the second forward finds
-    the first's node still pending and shares it, the node runs in each backward (a placeholder
-    each), and main_grad is the sum of both, as without the route."""
+    weight) and two MTP depths route the same weight into main_grad inside one forward's
+    ``shared_routes`` block (the MTP hook's): one hand-off node (one [V/tp, h] placeholder per
+    backward, as Megatron's own layer makes), not one per call for autograd to sum. Two
+    micro-batches interleaved as 1F1B does (forward, forward, backward, backward): each forward
+    has its own node, nothing is carried from one to the next, DDP's hook runs once per
+    backward, and main_grad is the sum of both, as without the route."""
     import types
 
+    from mcore_hooks import main_grad
     from mcore_hooks.mtp import MTPDepth, fused_mtp_loss
 
     s, b, h, v = 5, 2, 8, 30
@@ -331,11 +333,12 @@ def test_one_placeholder_per_backward_for_the_head_and_every_mtp_depth(declared)
         labels = torch.randint(0, v, (b, s), generator=gg)
         kw = hook_keywords(hidden, layer, labels=labels, context=_inputs((b, s), gg))
         kw["config"] = config
-        loss = PolicyLossProcessor(loss=CFG, upstream_grad=declared if fused else None)(**kw)["loss"]
-        for depth in range(2):
-            d = MTPDepth(hidden * (depth + 2), labels, layer.weight, layer, 1.0, 0, 1, config, None,
-                         0, 1, depth, False)
-            loss = loss + fused_mtp_loss(d).loss.sum() * 0.1
+        with main_grad.shared_routes():
+            loss = PolicyLossProcessor(loss=CFG, upstream_grad=declared if fused else None)(**kw)["loss"]
+            for depth in range(2):
+                d = MTPDepth(hidden * (depth + 2), labels, layer.weight, layer, 1.0, 0, 1, config, None,
+                             0, 1, depth, False)
+                loss = loss + fused_mtp_loss(d).loss.sum() * 0.1
         return loss
 
     results = {}
@@ -344,9 +347,11 @@ def test_one_placeholder_per_backward_for_the_head_and_every_mtp_depth(declared)
         first, second = forward(fused, 1), forward(fused, 2)
         if fused:
             nodes = _handoff_nodes(first.grad_fn), _handoff_nodes(second.grad_fn)
-            assert len(nodes[0]) == len(nodes[1]) == 1 and nodes[0] == nodes[1]
+            assert len(nodes[0]) == len(nodes[1]) == 1 and nodes[0] != nodes[1]
         first.backward()
+        assert handle.calls == 1 and (not fused or layer.weight.grad_added_to_main_grad)
         second.backward()
+        assert handle.calls == 2
         results[fused] = layer.weight.main_grad.clone()
         handle.remove()
     assert ((results[True] - results[False]).norm() / results[False].norm()) < 1e-6
