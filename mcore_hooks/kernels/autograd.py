@@ -30,6 +30,8 @@ that scalar. The products are cuBLAS (:mod:`.matmul`).
 from __future__ import annotations
 
 import contextlib
+import warnings
+import weakref
 from typing import NamedTuple, Optional, Protocol
 
 import torch
@@ -409,6 +411,57 @@ def reduce_hidden_grad(dx: torch.Tensor, group, sequence_parallel: bool,
     if sequence_parallel:
         return reduce_scatter_tokens(dx, group, ordered)
     return all_reduce(dx, dist.ReduceOp.SUM, group, ordered)
+
+
+def expect_backward(ctx) -> None:
+    """A forward that added a declared ``upstream_grad`` times its weight gradient into the
+    accumulator: if its graph is freed without that backward (a forward-only call with grad
+    enabled, an exception before the backward, a dropped micro-batch), the accumulator holds a
+    gradient no loss received, and nothing can take it back: say so (a ``RuntimeWarning``, when
+    the graph goes). The watch lives on the graph's node and goes with it. (Compiled graphs:
+    not watched, their backward is traced.)"""
+    if torch.compiler.is_compiling():
+        return
+    ran: list = []
+    ctx.backward_ran = ran
+    weakref.finalize(ctx, _warn_unreceived, ran)
+
+
+def backward_ran(ctx) -> None:
+    """Called by a watched backward (:func:`expect_backward`)."""
+    ran = getattr(ctx, "backward_ran", None)
+    if ran is not None:
+        ran.append(True)
+
+
+def _warn_unreceived(ran: list) -> None:
+    if not ran:
+        warnings.warn(
+            "upstream_grad: a forward added its weight gradient (times the declared upstream "
+            "gradient) into the accumulator (Megatron's main_grad), and its graph was freed "
+            "without that backward, so the accumulator holds a gradient that no loss received; "
+            "run forward-only calls under torch.no_grad() (nothing is added there), and zero "
+            "the accumulator after a step that failed between its forward and backward",
+            RuntimeWarning, stacklevel=2)
+
+
+def first_order(name: str, *grads: Optional[torch.Tensor]) -> tuple:
+    """``grads`` as a backward returns them. Where they are being built with ``create_graph=True``
+    (grad mode is on in the backward) each gets a node that raises if differentiated, as
+    ``once_differentiable``'s do: gradients formed in the forward from float32 values that hold
+    no graph would otherwise be taken as constants, and a double backward would silently drop
+    their derivative. (Compiled backwards refuse a double backward themselves.)"""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return grads
+    tensors = [g for g in grads if g is not None]
+    if not tensors:
+        return grads
+    err = torch._C._functions.DelayedError(
+        f"{name}: its gradients are formed in the forward, so they cannot be differentiated again "
+        "(a double backward, create_graph=True, is not supported)", len(tensors))
+    out = err(*[g.detach().requires_grad_() for g in tensors])
+    it = iter(out if isinstance(out, tuple) else (out,))
+    return tuple(None if g is None else next(it) for g in grads)
 
 
 def check_upstream_grad(grad: torch.Tensor, declared: float) -> None:

@@ -390,6 +390,9 @@ def _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequenc
             _nothing(weight) if r.dw is None else r.dw)
 
 
+_FUSED_NAME = "linear_cross_entropy / linear_policy_loss"
+
+
 def _fused_fake(hidden, weight, labels, need_x, need_w, into: bool):
     n = labels.shape[0]
     dx = hidden.new_empty((n, hidden.shape[1]), dtype=_F32) if need_x else _nothing(hidden)
@@ -449,8 +452,9 @@ def _fused_backward(ctx, grad, *_):
     if grad is None:
         grad = torch.zeros((), dtype=_F32, device=dx32.device)
     dw = _scaled(dw32, grad, ctx.dtype) if ctx.needs_input_grad[1] and dw32.numel() else None
+    dx, dw = ag.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw)
     # one entry per input, a list for the list of tensors
-    return (_hidden_grad(ctx, dx32, grad), dw) + (None,) * 10 + ([None] * ctx.num_inputs, None, None)
+    return (dx, dw) + (None,) * 10 + ([None] * ctx.num_inputs, None, None)
 
 
 fused_token_loss.register_autograd(_fused_backward, setup_context=_fused_setup)
@@ -484,6 +488,8 @@ class _FusedIntoAccumulator(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, args: tuple, placeholder: bool):
         loss, logprob, entropy, dx32, _ = fused_token_loss_into_(hidden, weight, *args)
+        if args[-1]:  # need_w: the weight's gradient went into the accumulator
+            ag.expect_backward(ctx)
         ctx.save_for_backward(dx32)
         ctx.group, ctx.sp, ctx.upstream_grad, ctx.placeholder = args[4], args[5], args[9], placeholder
         ctx.ordered = invariant(args[7])
@@ -494,13 +500,14 @@ class _FusedIntoAccumulator(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *_):
+        ag.backward_ran(ctx)
         (dx32,) = ctx.saved_tensors
         dw = None
         if ctx.needs_input_grad[1]:
             ag.check_upstream_grad(grad, ctx.upstream_grad)
             if ctx.placeholder:
                 dw = ag.placeholder_grad_like(ctx.weight_shape, ctx.dtype, grad.device)
-        return _hidden_grad(ctx, dx32, grad), dw, None, None
+        return ag.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw) + (None, None)
 
 
 def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Tensor,
@@ -574,6 +581,8 @@ class LinearFusedLoss(torch.autograd.Function):
         local_label = ag.local_labels(p.labels, p.valid, p.vocab_start, weight.shape[0])
         r = _backend(p.backend, hidden.device).fused_loss(x, weight, p, local_label, token_loss,
                                                           need_x, need_w)
+        if need_w and p.upstream_grad is not None and p.weight_grad_accumulator is not None:
+            ag.expect_backward(ctx)
         ctx.save_for_backward(r.dx, r.dw)
         ctx.params, ctx.hidden_shape, ctx.dtype = p, hidden.shape, x.dtype
         ctx.weight_shape = weight.shape
@@ -583,6 +592,7 @@ class LinearFusedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _d_logprob, _d_entropy):
+        ag.backward_ran(ctx)
         dx32, dw32 = ctx.saved_tensors
         p: KernelParams = ctx.params
         dx = dw = None
@@ -596,4 +606,4 @@ class LinearFusedLoss(torch.autograd.Function):
             ag.check_upstream_grad(grad, p.upstream_grad)
             if p.dummy_weight_grad:
                 dw = ag.placeholder_grad_like(ctx.weight_shape, ctx.dtype, grad.device)
-        return dx, dw, None, None, None, None
+        return ag.first_order(_FUSED_NAME, dx, dw) + (None, None, None, None)
