@@ -32,12 +32,12 @@ schedule plan; and with MTP on every depth uses the fused kernel too
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional, Union
 
 import torch
 
 from ..kernels import linear_logprob_entropy
+from ..kernels.options import is_finite
 from ..mtp import MTPDepth, MTPLoss
 from ..postprocess import PostprocessContext
 from ..processors.fused import _check_flag, _FusedProcessor
@@ -126,7 +126,7 @@ class VerlFusedProcessor(_FusedProcessor):
         if isinstance(temperature, torch.Tensor):
             return temperature
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-            math.isfinite(temperature) and temperature > 0
+            is_finite(temperature) and temperature > 0
         ):
             raise ValueError(
                 "output_processor_context.temperature: expected a positive finite float or a 1-D "

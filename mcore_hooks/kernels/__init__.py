@@ -26,7 +26,7 @@ from .autograd import Backend, GlobalStats, TokenLoss, group_rank_size, label_is
 from .candidates import Truncation
 from .invariant import BLOCK
 from .losses import PerTokenLoss, PolicyLoss, PolicyLossResult, WeightedNLL, aggregation_weights, per_token_loss
-from .options import KernelParams, VocabParallel
+from .options import KernelParams, VocabParallel, is_finite
 from .torch_chunked import TorchChunked
 
 __all__ = [
@@ -156,6 +156,11 @@ def linear_logprob_entropy(
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
                  chunk_size, backend, accumulator=weight_grad_accumulator,
                  dummy_weight_grad=placeholder_weight_grad, batch_invariant=batch_invariant)
+    if p.n == 0:  # an empty micro-batch or shard: nothing to compute, nothing to communicate
+        if selected_ids is not None:
+            _id_matrix("selected_ids", selected_ids, 0, 1, hidden.device)
+        return _no_tokens(hidden, weight, labels is not None,
+                          None if selected_ids is None else selected_ids.shape[1])
     if kept_ids is not None or truncation is not None:
         if labels is None or kept_ids is not None and truncation is not None or selected_ids is not None:
             raise ValueError(
@@ -182,6 +187,25 @@ def linear_logprob_entropy(
     if labels is None:
         return LogprobEntropy(None, entropy, logz)
     return LogprobEntropy(logprob, entropy, logz, best)
+
+
+def _zero_anchor(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A float32 scalar 0 of a call with no tokens, differentiable in ``hidden`` (``[0, H]``) and
+    ``weight``: their gradients are zeros, and the weight's hooks (Megatron DDP's, the
+    ``main_grad`` hand-off's) run as after any call, none waiting for a gradient that never
+    comes."""
+    return hidden.sum(dtype=torch.float32) + weight[:0].sum(dtype=torch.float32)
+
+
+def _no_tokens(hidden: torch.Tensor, weight: torch.Tensor, with_labels: bool,
+               k: Optional[int]) -> LogprobEntropy:
+    """:class:`LogprobEntropy` of a call with no tokens: empty, differentiable (zero gradients)."""
+    anchor = _zero_anchor(hidden, weight)
+    empty = anchor.expand(0)
+    selected = None if k is None else anchor.expand(0, k)
+    best = torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    return LogprobEntropy(empty if with_labels else None, empty, empty.detach(),
+                          best if with_labels else None, selected)
 
 
 def _id_matrix(name: str, ids: Any, n: int, v_total: int, device: torch.device) -> torch.Tensor:
@@ -441,6 +465,9 @@ def _fused(hidden, weight, p: KernelParams, token_weight: torch.Tensor,
     the terms in torch, the logits recomputed in the backward; without gradients, the log-prob
     pass alone. The NLL and :class:`PolicyLoss` run as a custom op; a Python function's loss
     through :class:`~.ops.LinearFusedLoss`."""
+    if p.n == 0:  # an empty micro-batch or shard: a zero loss, zero gradients
+        anchor = _zero_anchor(hidden, weight)
+        return anchor, anchor.detach().expand(0), anchor.detach().expand(0)
     need_x = hidden.requires_grad and torch.is_grad_enabled()
     need_w = weight.requires_grad and torch.is_grad_enabled()
     in_forward = p.weight_grad_accumulator is None or p.upstream_grad is not None
@@ -505,7 +532,7 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
             f"ignore_index: {ignore_index} is a vocabulary id (vocab size {v_total}); use a "
             f"negative value such as -100"
         )
-    if not (isinstance(logit_scale, (int, float)) and math.isfinite(logit_scale) and logit_scale > 0):
+    if not (isinstance(logit_scale, (int, float)) and is_finite(logit_scale) and logit_scale > 0):
         raise ValueError(f"logit_scale: expected a positive finite float, got {logit_scale!r}")
     if not isinstance(batch_invariant, bool):
         raise TypeError(f"batch_invariant: expected True or False, got {batch_invariant!r}")
@@ -573,7 +600,7 @@ def check_upstream_grad_option(upstream_grad: Any) -> None:
         return
     if isinstance(upstream_grad, bool) or not isinstance(upstream_grad, (int, float)):
         raise TypeError(f"upstream_grad: expected a float or None, got {type(upstream_grad).__name__}")
-    if not math.isfinite(upstream_grad):
+    if not is_finite(upstream_grad):
         raise ValueError(f"upstream_grad: expected a finite value, got {upstream_grad!r}")
 
 
@@ -582,6 +609,8 @@ def _fused_chunk_size(backend: type[Backend], n: int, v_local: int, itemsize: in
     """Tokens per chunk of the losses with gradients formed in the forward: the chunk's logit
     gradient (input dtype) and half a chunk of fp32 logits within the backend's budget, balanced
     so the last chunk is not a sliver."""
+    if n == 0:
+        return 1
     budget = backend.accumulating_chunk_bytes if into_accumulator else backend.fused_chunk_bytes
     most = max(1, budget // (max(1, v_local) * (itemsize + 2)))
     chunks = -(-n // most)
@@ -694,6 +723,6 @@ def _coefficients(temperature: Union[float, torch.Tensor], logit_scale: float, n
         return torch.where(ok, float(logit_scale) / t, torch.nan)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature: expected a float or tensor, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
+    if not (is_finite(temperature) and temperature > 0):
         raise ValueError(f"temperature: expected a positive finite value, got {temperature!r}")
     return torch.full((n,), float(logit_scale) / float(temperature), dtype=torch.float32, device=dev)

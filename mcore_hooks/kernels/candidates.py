@@ -26,6 +26,7 @@ import torch
 from .debug import check_values
 from .invariant import BLOCK
 from .matmul import addmm_f32_, bmm_f32, mm_f32
+from .options import is_finite
 
 # Elements of one chunk's gathered rows as float32 products ([chunk, K, H]; 256 MiB).
 _GATHER_ELEMENTS = 1 << 26
@@ -298,7 +299,7 @@ class Truncation:
             raise ValueError(f"top_k: expected a positive int (it bounds the kept set), got {self.top_k!r}")
         for name, lo_open in (("top_p", True), ("min_p", False)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not is_finite(v) \
                     or not (0 < v <= 1 if lo_open else 0 <= v <= 1):
                 raise ValueError(f"{name}: expected a float in {'(0, 1]' if lo_open else '[0, 1]'}, got {v!r}")
 

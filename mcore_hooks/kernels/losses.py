@@ -12,7 +12,6 @@ gradient as the stock loss written with the same torch operations.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional
 
 import torch
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from .debug import check_values
 from .autograd import all_reduce
+from .options import is_finite
 
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -88,7 +88,7 @@ class PolicyLoss:
 
     def __post_init__(self) -> None:
         def number(name: str, v: Any, ok: Callable[[float], bool], what: str) -> None:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not is_finite(v) or not ok(v):
                 raise ValueError(f"{name}: expected {what}, got {v!r}")
 
         number("clip_low", self.clip_low, lambda v: 0 <= v < 1, "a float in [0, 1)")

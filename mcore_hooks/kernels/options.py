@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
+
+
+def is_finite(x: Any) -> bool:
+    """``math.isfinite`` of a real number, by comparisons: under ``torch.compile(dynamic=True)`` a
+    float option may be symbolic, which comparisons take (as a guard) and ``math.isfinite``
+    refuses. NaN fails both."""
+    return -math.inf < x < math.inf
 
 
 @dataclasses.dataclass(frozen=True)

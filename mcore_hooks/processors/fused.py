@@ -39,6 +39,7 @@ from ..kernels import (
     per_token_loss,
 )
 from ..kernels.losses import AGGREGATIONS, group_sum
+from ..kernels.options import is_finite
 from ..mtp import MTPDepth, MTPLoss, fused_mtp_loss
 from ..postprocess import PostprocessContext, PostprocessProcessor
 from .labels import labels_from_input_ids, per_token_temperature, sequence_index
@@ -105,7 +106,7 @@ def _check_options(temperature: Any, ignore_index: Any, chunk_size: Any, backend
         if check_values(temperature) and not bool((torch.isfinite(temperature) & (temperature > 0)).all()):
             raise ValueError("temperature: every value must be positive and finite")
     elif isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
-        if not (math.isfinite(temperature) and temperature > 0):
+        if not (is_finite(temperature) and temperature > 0):
             raise ValueError(f"temperature: expected a positive finite value, got {temperature!r}")
     else:
         raise TypeError(
@@ -637,7 +638,7 @@ class SelectedLogprobProcessor(_FusedProcessor):
 
     def to_bsk(self, t: torch.Tensor, bs: tuple[int, int]) -> torch.Tensor:
         b, s = bs
-        return t.view(s, b, -1).transpose(0, 1).clone(memory_format=torch.contiguous_format)
+        return t.view(s, b, t.shape[-1]).transpose(0, 1).clone(memory_format=torch.contiguous_format)
 
     def process(self, ctx: PostprocessContext) -> Union[torch.Tensor, dict]:
         r, k = self.selected(ctx)
@@ -719,7 +720,7 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
             raise ValueError(
                 f"aggregation: expected one of {', '.join(map(repr, AGGREGATIONS))}, got {aggregation!r}")
         if clamp_min is not None and (isinstance(clamp_min, bool) or not isinstance(clamp_min, (int, float))
-                                      or not math.isfinite(clamp_min)):
+                                      or not is_finite(clamp_min)):
             raise ValueError(f"clamp_min: expected a finite float or None, got {clamp_min!r}")
         _check_flag("as_tuple", as_tuple)
         super().__init__(temperature=temperature, ignore_index=ignore_index, chunk_size=chunk_size,
@@ -747,7 +748,7 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
         token_weight = aggregation_weights(counted, self.aggregation, sequence_ids=seq.t().reshape(-1),
                                            num_sequences=num_sequences, group=_cp_group(ctx))
         log_p = teacher.detach().to(device=k.hidden.device, dtype=torch.float32)
-        log_p = log_p.transpose(0, 1).reshape(b * s, -1)
+        log_p = log_p.transpose(0, 1).reshape(b * s, log_p.shape[-1])
         ids = ids.to(k.hidden.device)
         # padding, positions that do not count, and ids of teacher probability 0: no term
         keep = (ids >= 0) & (counted != 0).unsqueeze(1) & (log_p > -math.inf)

@@ -94,7 +94,7 @@ def labels_from_input_ids(
     labels = torch.roll(input_ids, shifts=-1, dims=-1)
     found = _packed_offsets(packed_seq_params, input_ids.device)
     if found is None:
-        labels[..., -1] = ignore_index
+        labels[..., -1:] = ignore_index  # (a slice: no position at all is no error)
         return labels
     offsets, lengths = found
     pos = torch.arange(input_ids.shape[-1], device=input_ids.device)
