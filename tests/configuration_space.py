@@ -10,7 +10,7 @@ node handing back each output's gradient, the processors returning tuples), whic
 loss uses (all, or the first: an entropy only logged), a non-reentrant activation-checkpointed
 region around the call, one or two MTP depths' fused loss on the same weight, the deferred
 embedding weight gradient of pipeline parallelism (``defer_embedding_wgrad_compute``), and the
-batch-invariant mode, on 4
+batch-invariant mode, and ``torch.compile`` around the call (graph breaks allowed), on 4
 gloo CPU ranks in float32, and compares values and gradients with the same processor on the
 unsplit batch (itself checked against stock Megatron by the rest of the suite). A combination either matches or is refused
 before anything is written, with an error naming it. ``python tests/configuration_space.py``
@@ -53,6 +53,7 @@ OPTIONS: dict[str, tuple] = {
     "mtp": (0, 1, 2),
     "defer_wgrad": (False, True),
     "invariant": (False, True),
+    "compile": (False, True),
 }
 DECLARABLE = ("ce-sum", "ce-mean", "policy-token-mean", "policy-seq-mean-token-mean")
 TWO_OUTPUTS = ("logprob-entropy", "verl", "kept-replay")  # two differentiable outputs: the loss may use one
@@ -81,6 +82,7 @@ class Combo:
     mtp: int = 0
     defer_wgrad: bool = False
     invariant: bool = False
+    compile: bool = False
 
     def name(self) -> str:
         parts = [self.processor, f"tp{self.tp}", "sp" if self.sp else "", f"cp{self.cp}",
@@ -90,7 +92,7 @@ class Combo:
                  "uses-first" if self.uses == "first" else "",
                  "checkpointed" if self.checkpoint == "region" else "",
                  f"mtp{self.mtp}" if self.mtp else "", "defer-wgrad" if self.defer_wgrad else "",
-                 "batch-invariant" if self.invariant else ""]
+                 "batch-invariant" if self.invariant else "", "compiled" if self.compile else ""]
         return " ".join(p for p in parts if p)
 
 
@@ -410,6 +412,9 @@ def run(c: Combo, tp_group: Any, tp_rank: int, cp_group: Any, cp_rank: int) -> d
             first.append((outs, mtp))
         return outs if mtp is None else (*outs, mtp)
 
+    if c.compile:  # torch.compile around the call (graph breaks allowed, as a trainer compiles)
+        torch._dynamo.reset()
+        call = torch.compile(call, backend="aot_eager")
     w_out = d["w_out"] if c.processor == "nemo-rl" else d["w_out"][:, pos]
     try:
         try:
@@ -497,7 +502,7 @@ def check(c: Combo, got: dict, ref: dict) -> Optional[str]:
 def reference_of(c: Combo) -> Combo:
     """The same processor and options on the unsplit batch (no TP, SP or CP), through the plain
     path (the loss's backward, no checkpointed region)."""
-    return dataclasses.replace(c, tp=1, sp=False, cp=1, path="forward", checkpoint="none",
+    return dataclasses.replace(c, tp=1, sp=False, cp=1, path="forward", checkpoint="none", compile=False,
                                labels="given" if c.labels == "derived" and c.cp > 1 else c.labels)
 
 
@@ -525,8 +530,8 @@ def run_all(combos: list[Combo]) -> list[tuple[Combo, Optional[str], Optional[st
 def table(rows: list[tuple[Combo, Optional[str], Optional[str]]]) -> str:
     """The README's matrix: one line per combination, exact or refused and why."""
     lines = ["| processor | TP | SP | CP | layout | tied | temperature | labels | loss mask | main_grad "
-             "| path | loss uses | checkpoint | MTP | deferred wgrad | batch-invariant | result |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| path | loss uses | checkpoint | MTP | deferred wgrad | batch-invariant | compiled | result |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c, problem, refused in rows:
         result = ("**FAILS**: " + problem) if problem else (
             f"refused: `{refused.split(':', 1)[1].strip()[:90]}...`"
@@ -535,7 +540,8 @@ def table(rows: list[tuple[Combo, Optional[str], Optional[str]]]) -> str:
             f"| {c.processor} | {c.tp} | {'on' if c.sp else 'off'} | {c.cp} | {'THD' if c.packed else 'BSHD'} | "
             f"{'yes' if c.tied else 'no'} | {c.temperature} | {c.labels} | {'yes' if c.loss_mask else 'no'} | "
             f"{c.main_grad} | {c.path} | {c.uses} | {c.checkpoint} | {c.mtp} | "
-            f"{'yes' if c.defer_wgrad else 'no'} | {'yes' if c.invariant else 'no'} | {result} |")
+            f"{'yes' if c.defer_wgrad else 'no'} | {'yes' if c.invariant else 'no'} | "
+            f"{'yes' if c.compile else 'no'} | {result} |")
     return "\n".join(lines)
 
 

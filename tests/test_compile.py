@@ -102,10 +102,13 @@ def _context(kind, g):
     return None
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic-dynamic", "dynamic"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_every_processor_compiles_whole(case):
+def test_every_processor_compiles_whole(case, dynamic):
     """``torch.compile(fullgraph=True)`` around each bundled processor and both integrations:
-    no graph break, and the eager values and gradients (hidden states and weight)."""
+    no graph break, and the eager values and gradients (hidden states and weight); with
+    ``dynamic=True`` too, where every size and float option is symbolic (a finiteness check by
+    ``math.isfinite`` refused a symbolic temperature)."""
     make, kind = CASES[case]
     layer, hidden, labels, mask = _data()
     context = _context(kind, torch.Generator().manual_seed(2))
@@ -123,7 +126,7 @@ def test_every_processor_compiles_whole(case):
 
     torch._dynamo.reset()
     results = []
-    for run in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+    for run in (step, torch.compile(step, fullgraph=True, dynamic=dynamic, backend="aot_eager")):
         h = hidden.clone().requires_grad_()
         layer.zero_grad()
         out = run(h)
@@ -248,10 +251,16 @@ class _Capture:
 @pytest.mark.parametrize("main_grad", [False, True, "declared"], ids=["grad", "main-grad", "declared"])
 def test_keywords_from_a_megatron_model_compile_whole(main_grad):
     """The keywords as a stock Megatron Core forward hands them (its output layer, its bound
-    ``scale_logits``, its config), with ``gradient_accumulation_fusion`` and a float32
-    ``main_grad`` (the weight's gradient added into it in the op's backward, or, with a
-    declared ``upstream_grad``, in the policy loss's forward): whole graph, and the eager
-    values, hidden-state gradient and ``main_grad``."""
+    ``scale_logits``, its config), with ``gradient_accumulation_fusion`` and the weight as
+    Megatron DDP holds it (a float32 ``main_grad``, ``grad_added_to_main_grad = False``, DDP's
+    hook asserting a ``.grad``): the weight's gradient added into ``main_grad`` in the op's
+    backward (or, with a declared ``upstream_grad``, in the policy loss's forward), the weight
+    marked and DDP's hook run once per backward at run time, in two compiled runs as in the
+    eager ones (the compiled backward is traced once, so a side effect made only in Python
+    would happen in neither); whole graph, the eager values, hidden-state gradient and
+    ``main_grad``."""
+    from ddp_like import ddp_like
+
     from mcore_hooks import hooked_class
     from mcore_hooks.testing import TinyModelConfig, build_tiny_model, stock_model_class, tiny_batch
 
@@ -263,9 +272,10 @@ def test_keywords_from_a_megatron_model_compile_whole(main_grad):
         model(**batch, output_processor=cap)
     keywords = dict(cap.kwargs)
     weight = model.output_layer.weight
+    ddp = None
     if main_grad:
         keywords["config"].gradient_accumulation_fusion = True
-        weight.main_grad = torch.zeros(weight.shape)
+        ddp = ddp_like(weight)
     hidden = keywords["hidden_states"].detach()
     if main_grad == "declared":
         g = torch.Generator().manual_seed(5)
@@ -285,22 +295,29 @@ def test_keywords_from_a_megatron_model_compile_whole(main_grad):
 
     torch._dynamo.reset()
     results = []
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     try:
-        for run in (step, torch.compile(step, fullgraph=True, backend="aot_eager")):
+        for run in (step, step, compiled, compiled):
             h = hidden.clone().requires_grad_()
             weight.grad = None
-            if main_grad:
-                weight.main_grad.zero_()
+            if ddp is not None:
+                ddp.zero_grad_buffer()
             out = run(h)
             out.backward()
+            if ddp is not None:
+                assert ddp.calls == 1 and weight.grad_added_to_main_grad and weight.grad is None
             w_grad = weight.main_grad.clone() if main_grad else weight.grad.clone()
             results.append((out.detach(), h.grad, w_grad))
     finally:
         if main_grad:
             keywords["config"].gradient_accumulation_fusion = False
-            del weight.main_grad
-    for eager, compiled in zip(*results):
-        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+            ddp.remove()
+            for name in ("main_grad", "grad_added_to_main_grad", "zero_out_wgrad"):
+                delattr(weight, name)
+    for eager, compiled_result in zip(results[0], results[2]):
+        torch.testing.assert_close(compiled_result, eager, rtol=1e-6, atol=1e-6)
+    for first, second in zip(results[2], results[3]):
+        assert torch.equal(first, second)
 
 
 def test_the_ops_outputs_that_carry_no_gradient_are_detached():

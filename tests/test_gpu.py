@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
 import traceback
@@ -529,6 +530,132 @@ def test_gradient_accumulation_fusion_into_megatron_ddp(tied, dtype, declared):
     # fp32: float rounding of another summation order; bf16: the stock path's bf16 logits
     tol = 1e-4 if dtype == "float32" else 5e-2
     assert max(errors.values()) < tol, errors
+
+
+def _ddp_steps_worker(port: int, dist_opt: bool, compiled: bool, declared: bool, out) -> None:
+    """Megatron DDP on one GPU as a trainer runs it (``overlap_grad_reduce``, float32 gradient
+    buffers, several buckets; the distributed optimizer on or off, its step between steps):
+    two training steps of two micro-batches each, ``zero_grad_buffer`` before each, and a
+    forward-only call with grad enabled (the old policy's log-probs) between the first step's
+    backward and its optimizer step (Adam). The stock path (logits, log_softmax, the GRPO loss) against
+    PolicyLossProcessor with ``gradient_accumulation_fusion`` (the output weight's gradient into
+    main_grad in the backward, or in the forward with ``upstream_grad`` declared; the
+    forward-only call then under ``torch.no_grad()``), eager or ``torch.compile``-d (the
+    processor whole, inductor). Returns, per step, each parameter's reduced gradient difference
+    (relative), and whether the output weight was marked in every step."""
+    try:
+        import torch.distributed as dist
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.transformer import TransformerConfig
+
+        from mcore_hooks import FusedLogprobProcessor, PolicyLossProcessor, compat, enable_output_processor
+        from mcore_hooks.kernels import PolicyLoss
+
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=120))
+        parallel_state.initialize_model_parallel(1, 1)
+        cfg = PolicyLoss(clip_high=0.28, kl_coef=0.05, entropy_coef=0.01)
+        vocab = 1000
+
+        def build(fused):
+            tensor_parallel.model_parallel_cuda_manual_seed(123)
+            torch.manual_seed(123)
+            config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                                       hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32)
+            model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=vocab, max_sequence_length=64,
+                             position_embedding_type="learned_absolute",
+                             share_embeddings_and_output_weights=False).cuda()
+            ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+                overlap_grad_reduce=True, grad_reduce_in_fp32=True, use_distributed_optimizer=dist_opt,
+                bucket_size=20000), model)
+            config.gradient_accumulation_fusion = fused  # read by the processor at the call
+            # Adam (the distributed optimizer takes no other): a small step, and an eps that keeps
+            # the update proportional to gradients near 0, so both paths stay on the same weights
+            opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, adam_eps=1e-3,
+                                                         params_dtype=torch.float32,
+                                                         use_distributed_optimizer=dist_opt), [ddp])
+            return enable_output_processor(ddp), opt
+
+        g = torch.Generator(device="cuda").manual_seed(0)
+        b, s = 2, 32
+        batches = []
+        for _ in range(4):
+            ids = torch.randint(0, vocab, (b, s), device="cuda", generator=g)
+            labels = torch.randint(0, vocab, (b, s), device="cuda", generator=g)
+            inputs = {"old_logprobs": -torch.rand(b, s, device="cuda", generator=g) * 7,
+                      "advantages": torch.randn(b, s, device="cuda", generator=g),
+                      "ref_logprobs": -torch.rand(b, s, device="cuda", generator=g) * 7}
+            batches.append((ids, labels, inputs))
+        pos = torch.arange(s, device="cuda").expand(b, s)
+        mask = torch.ones(b, 1, s, s, dtype=torch.bool, device="cuda").triu(1)
+        policy = PolicyLossProcessor(loss=cfg, upstream_grad=0.5 if declared else None)
+        logprob = FusedLogprobProcessor()
+        if compiled:
+            policy, logprob = torch.compile(policy, fullgraph=True), torch.compile(logprob, fullgraph=True)
+
+        def run(fused):
+            model, opt = build(fused)
+            gpt = compat.unwrap_model(model)
+            steps, marked = [], []
+            for step in range(2):
+                model.zero_grad_buffer()
+                opt.zero_grad()
+                for ids, labels, inputs in batches[2 * step: 2 * step + 2]:
+                    if fused:
+                        out = model(ids, pos, mask, labels=labels, output_processor=policy,
+                                    output_processor_context=inputs)
+                        loss = out["loss"]
+                    else:
+                        logits = model(ids, pos, mask).float()
+                        logp = torch.log_softmax(logits, -1)
+                        lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+                        ent = -(logp.exp() * logp).sum(-1)
+                        loss = cfg(lp, ent, **inputs).mean()
+                    (loss * 0.5).backward()  # the schedule's 1 / num_microbatches
+                if fused:
+                    marked.append(gpt.output_layer.weight.grad_added_to_main_grad)
+                    # the old policy's log-probs of the next batch: a forward with no backward
+                    with torch.no_grad() if declared else contextlib.nullcontext():
+                        model(batches[-1][0], pos, mask, labels=batches[-1][1], output_processor=logprob)
+                model.finish_grad_sync()
+                steps.append({n: p.main_grad.clone() for n, p in gpt.named_parameters()})
+                opt.step()
+            return steps, marked
+
+        ref, _ = run(False)
+        got, marked = run(True)
+        errors = [{n: ((g_[n] - r[n]).norm() / r[n].norm().clamp(min=1e-30)).item() for n in r}
+                  for g_, r in zip(got, ref)]
+        out.put((errors, marked, None))
+    except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
+        out.put((None, None, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["in-backward", "declared-upstream-grad"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("dist_opt", [False, True], ids=["ddp", "distributed-optimizer"])
+def test_megatron_ddp_training_steps_eager_and_compiled(dist_opt, compiled, declared):
+    """Two training steps through Megatron's own DDP and optimizer (see the worker): every
+    parameter's reduced gradient matches the stock path's in both steps (float32: another
+    summation order), and the output weight was marked by the hand-off at run time, compiled
+    too (before, a compiled backward never marked it, so DDP's hook never ran for it)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_ddp_steps_worker, args=(_free_port(), dist_opt, compiled, declared, out))
+    p.start()
+    errors, marked, tb = out.get(timeout=600)
+    p.join(timeout=60)
+    assert tb is None, tb
+    assert marked == [True, True]
+    for step in errors:
+        assert max(step.values()) < 1e-4, step
 
 
 # --------------------------------------------------------------------------- rollout parity and batch invariance

@@ -363,3 +363,87 @@ def test_forward_splits_fills_one_wave_where_the_fixed_rule_left_a_sliver():
 
     assert forward_splits(32, 594, 132) == 4
     assert _grid_cost(32, 594, 132, 4) == 149 < _grid_cost(32, 594, 132, 9) == 198
+
+
+# --------------------------------------------------------------------------- edges of a call's life
+
+
+def _double_backward_cases():
+    from mcore_hooks.kernels import linear_cross_entropy, linear_policy_loss
+
+    g = torch.Generator().manual_seed(11)
+    n, h, v = 6, 4, 10
+    y = torch.randint(0, v, (n,), generator=g)
+    tw = torch.rand(n, generator=g)
+    inp = {"old_logprobs": -torch.rand(n, generator=g), "advantages": torch.randn(n, generator=g)}
+    acc = torch.zeros(v, h)
+    return n, h, v, {
+        "cross-entropy": lambda x, w: linear_cross_entropy(x, w, y, backend="torch"),
+        "policy-loss-op": lambda x, w: linear_policy_loss(x, w, y, token_weight=tw, inputs=inp,
+                                                          backend="torch").loss,
+        "per-token-loss": lambda x, w: linear_policy_loss(
+            x, w, y, token_weight=tw, inputs={"advantages": inp["advantages"]}, backend="torch",
+            loss=lambda lp, ent, advantages: -advantages * lp).loss,
+        "declared-upstream-grad": lambda x, w: linear_policy_loss(
+            x, w, y, token_weight=tw, inputs=inp, backend="torch", weight_grad_accumulator=acc,
+            upstream_grad=1.0).loss,
+    }
+
+
+@pytest.mark.parametrize("case", list(_double_backward_cases()[3]))
+def test_a_double_backward_through_the_fused_losses_raises(case):
+    """The fused losses form their gradients in the forward from float32 values that hold no
+    graph: a gradient taken with ``create_graph=True`` must not pass for a differentiable one
+    (``loss + |dL/dx|^2`` backpropagated exactly the plain loss's gradient). It carries a node
+    that raises when differentiated, as the log-prob pass's does; its value is the plain one."""
+    n, h, v, cases = _double_backward_cases()
+    g = torch.Generator().manual_seed(12)
+    x0, w0 = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    plain, = torch.autograd.grad(cases[case](x, w), x)
+    loss = cases[case](x, w)
+    dx, = torch.autograd.grad(loss, x, create_graph=True)
+    assert torch.equal(dx.detach(), plain)
+    with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+        (loss + dx.square().sum()).backward()
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
+def test_a_call_with_no_tokens_gives_empty_results_and_zero_gradients(invariant):
+    """``[0, H]`` hidden states (an empty micro-batch or shard) through every entry point and
+    option: empty per-token results, a zero loss, and zero gradients for the hidden states and
+    the weight (the weight's hooks still run), in the default and the batch-invariant modes."""
+    from mcore_hooks.kernels import (Truncation, linear_cross_entropy, linear_logprob_entropy,
+                                     linear_policy_loss)
+
+    h, v = 4, 10
+    y = torch.zeros(0, dtype=torch.long)
+    ids = torch.zeros(0, 3, dtype=torch.long)
+    zero = torch.zeros(0)
+    opts = dict(backend="torch", batch_invariant=invariant)
+    calls = {
+        "logprob": lambda x, w: linear_logprob_entropy(x, w, y, **opts),
+        "entropy": lambda x, w: linear_logprob_entropy(x, w, None, **opts),
+        "kept": lambda x, w: linear_logprob_entropy(x, w, y, kept_ids=ids, **opts),
+        "truncation": lambda x, w: linear_logprob_entropy(x, w, y, truncation=Truncation(top_k=3), **opts),
+        "selected": lambda x, w: linear_logprob_entropy(x, w, y, selected_ids=ids, **opts),
+        "cross-entropy": lambda x, w: linear_cross_entropy(x, w, y, **opts),
+        "policy": lambda x, w: linear_policy_loss(x, w, y, token_weight=zero, inputs={
+            "old_logprobs": zero, "advantages": zero}, **opts),
+        "policy-declared": lambda x, w: linear_policy_loss(
+            x, w, y, token_weight=zero, inputs={"old_logprobs": zero, "advantages": zero},
+            weight_grad_accumulator=torch.zeros(v, h), upstream_grad=1.0, **opts),
+    }
+    for name, call in calls.items():
+        x = torch.zeros(0, h, requires_grad=True)
+        w = torch.randn(v, h).requires_grad_()
+        seen = []
+        w.register_hook(lambda g: seen.append(g))
+        r = call(x, w)
+        outs = [r] if isinstance(r, torch.Tensor) else [t for t in r if t is not None]
+        total = outs[0] if outs[0].dim() == 0 else sum(t.float().sum() for t in outs if t.requires_grad)
+        assert all(t.shape[0] == 0 for t in outs if t.dim()), name
+        assert total.item() == 0.0 and total.requires_grad, name
+        total.backward()
+        assert x.grad is not None and x.grad.shape == (0, h), name
+        assert len(seen) == 1 and not seen[0].any(), name
