@@ -39,18 +39,20 @@ def main_grad_accumulator(weight: torch.Tensor, config: Any) -> Optional[torch.T
     return main_grad
 
 
-@torch.library.custom_op("mcore_hooks::main_grad_handoff", mutates_args=())
-def main_grad_handoff(weight: Tensor, grad: Optional[Tensor], mark: bool, zero: bool) -> Tensor:
-    """The hand-off's backward, at run time (an op: ``torch.compile`` cannot trace it away):
-    ``grad`` (from an op other than the kernels, which add into ``main_grad`` themselves) added
-    into ``weight.main_grad``; with ``mark`` (the weight has DDP's ``grad_added_to_main_grad``),
-    the weight marked and Megatron's placeholder returned, ``[V/tp, h]`` in the weight's dtype,
-    zeros where ``zero`` (``zero_out_wgrad``: a weight tied to the embedding on this stage,
-    whose real gradient DDP adds from the same ``.grad``). Without ``mark``: empty."""
+# An op (``torch.compile`` keeps it whole, and runs it); it writes ``main_grad`` (declared: a
+# compiled graph orders it after the kernels' own additions and never drops it) and sets a Python
+# attribute, which a CUDA graph's replay would not (cudagraph_unsafe: inductor leaves it outside).
+@torch.library.custom_op("mcore_hooks::main_grad_handoff", mutates_args=("main_grad",),
+                         tags=(torch.Tag.cudagraph_unsafe,))
+def main_grad_handoff(weight: Tensor, main_grad: Tensor, grad: Optional[Tensor], mark: bool,
+                      zero: bool) -> Tensor:
+    """The hand-off's backward, at run time: ``grad`` (from an op other than the kernels, which
+    add into ``main_grad`` themselves) added into ``main_grad``; with ``mark`` (the weight has
+    DDP's ``grad_added_to_main_grad``), the weight marked and Megatron's placeholder returned,
+    ``[V/tp, h]`` in the weight's dtype, zeros where ``zero`` (``zero_out_wgrad``: a weight tied
+    to the embedding on this stage, whose real gradient DDP adds from the same ``.grad``).
+    Without ``mark``: empty."""
     if grad is not None:
-        main_grad = getattr(weight, "main_grad", None)
-        if not isinstance(main_grad, torch.Tensor):
-            raise RuntimeError(_LOST)
         main_grad.add_(grad)
     if not mark:
         return weight.new_empty(0)
@@ -62,12 +64,12 @@ def main_grad_handoff(weight: Tensor, grad: Optional[Tensor], mark: bool, zero: 
 
 
 _LOST = ("main_grad hand-off: the output weight reached the backward without Megatron DDP's "
-         "attributes (main_grad, grad_added_to_main_grad) it had in the forward, so its gradient "
-         "cannot be handed to DDP; was the weight replaced between the forward and the backward?")
+         "grad_added_to_main_grad it had in the forward, so its gradient cannot be handed to DDP; "
+         "was the weight replaced between the forward and the backward?")
 
 
 @main_grad_handoff.register_fake
-def _(weight, grad, mark, zero):
+def _(weight, main_grad, grad, mark, zero):
     return weight.new_empty(weight.shape if mark else (0,))
 
 
@@ -81,20 +83,21 @@ class _MainGradHandoff(torch.autograd.Function):
     backward would see a fake one without them)."""
 
     @staticmethod
-    def forward(ctx, weight, mark: bool, zero: bool):
+    def forward(ctx, weight, main_grad, mark: bool, zero: bool):
         ctx.set_materialize_grads(False)  # the kernels hand this node nothing: run without zeros
-        # the parameter itself, not saved: saved-tensor hooks (an activation-checkpointed region,
-        # offloading) would hand the backward a detached copy, without DDP's attributes
-        ctx.weight, ctx.mark, ctx.zero = weight, mark, zero
+        # the parameter itself and its buffer, not saved: saved-tensor hooks (an activation-
+        # checkpointed region, offloading) would hand the backward detached copies (the weight
+        # without DDP's attributes), and the buffer is written between forward and backward
+        ctx.weight, ctx.main_grad, ctx.mark, ctx.zero = weight, main_grad, mark, zero
         return weight.view_as(weight)
 
     @staticmethod
     def backward(ctx, grad):
-        placeholder = main_grad_handoff(ctx.weight, grad, ctx.mark, ctx.zero)
-        return (placeholder if ctx.mark else None), None, None
+        placeholder = main_grad_handoff(ctx.weight, ctx.main_grad, grad, ctx.mark, ctx.zero)
+        return (placeholder if ctx.mark else None), None, None, None
 
 
-# Within one shared_routes() block, id(weight) -> (weight, its routed view): the main head and
+# Within one shared_routes() block, id(weight) -> its routed view: the main head and
 # each MTP depth of one forward share one hand-off node, so autograd gets one placeholder per
 # forward, not one per call to sum. The table is the block's own and goes with it.
 _ROUTES: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("mcore_hooks_routes", default=None)
@@ -111,16 +114,16 @@ def shared_routes() -> Iterator[None]:
         _ROUTES.reset(token)
 
 
-def _routed(weight: torch.Tensor) -> torch.Tensor:
+def _routed(weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
     mark = hasattr(weight, "grad_added_to_main_grad")
     zero = bool(getattr(weight, "zero_out_wgrad", False))
     routes = None if torch.compiler.is_compiling() else _ROUTES.get()
     if routes is None:
-        return _MainGradHandoff.apply(weight, mark, zero)
-    seen = routes.get(id(weight))
-    if seen is None or seen[0] is not weight:
-        seen = routes[id(weight)] = (weight, _MainGradHandoff.apply(weight, mark, zero))
-    return seen[1]
+        return _MainGradHandoff.apply(weight, main_grad, mark, zero)
+    routed = routes.get(id(weight))  # the block holds the weight: its id is not reused there
+    if routed is None:
+        routed = routes[id(weight)] = _MainGradHandoff.apply(weight, main_grad, mark, zero)
+    return routed
 
 
 def main_grad_route(weight: torch.Tensor, config: Any) -> tuple[torch.Tensor, dict]:
@@ -131,4 +134,4 @@ def main_grad_route(weight: torch.Tensor, config: Any) -> tuple[torch.Tensor, di
     main_grad = main_grad_accumulator(weight, config)
     if main_grad is None:
         return weight, {}
-    return _routed(weight), dict(weight_grad_accumulator=main_grad)
+    return _routed(weight, main_grad), dict(weight_grad_accumulator=main_grad)

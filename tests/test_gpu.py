@@ -658,6 +658,46 @@ def test_megatron_ddp_training_steps_eager_and_compiled(dist_opt, compiled, decl
         assert max(step.values()) < 1e-4, step
 
 
+def test_main_grad_hand_off_under_cuda_graphs():
+    """``torch.compile(mode="reduce-overhead")`` records the compiled graph as a CUDA graph and
+    replays it: the hand-off's Python side effect (marking the weight for DDP) would run only
+    while recording, and DDP would then add the uninitialised placeholder into main_grad from
+    the third step on (max error 1). The op is tagged cudagraph_unsafe, so it stays outside the
+    recorded graph: five steps, each marked, main_grad the uncompiled gradient."""
+    import sys
+    import types
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from ddp_like import ddp_like
+
+    from mcore_hooks import main_grad as mg
+    from mcore_hooks.kernels import linear_logprob_entropy
+
+    v, h, n = 256, 64, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w0 = torch.randn(v, h, device="cuda", generator=g)
+    x = torch.randn(n, h, device="cuda", generator=g)
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    cfg = types.SimpleNamespace(gradient_accumulation_fusion=True)
+    ref = w0.clone().requires_grad_()
+    linear_logprob_entropy(x, ref, y, backend="torch").logprob.sum().backward()
+    weight = torch.nn.Parameter(w0.clone())
+    ddp = ddp_like(weight)
+
+    def body(hh):
+        routed, kw = mg.main_grad_route(weight, cfg)
+        return linear_logprob_entropy(hh, routed, y, backend="torch", **kw).logprob.sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(body, mode="reduce-overhead", fullgraph=True)
+    for _ in range(5):
+        ddp.zero_grad_buffer()
+        compiled(x.clone().requires_grad_()).backward()
+        torch.cuda.synchronize()
+        assert weight.grad_added_to_main_grad and ddp.calls == 1
+        torch.testing.assert_close(weight.main_grad, ref.grad, rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- rollout parity and batch invariance
 
 

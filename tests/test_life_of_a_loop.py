@@ -268,8 +268,9 @@ def _warns_if_declared(mg: str):
 
 @pytest.mark.parametrize("name,mg", COMBOS)
 def test_optimizer_steps_and_load_state_dict_between_steps(name, mg):
-    """Train, step, train, then restore the first weights with ``load_state_dict`` (an in-place
-    copy) and train again: each step is the clean run's from the same weights."""
+    """Train, step, train, make an evaluation call, then restore the first weights with
+    ``load_state_dict`` (an in-place copy) and train again: each step is the clean run's from the
+    same weights (a stale hand-off node from the evaluation call failed the last step)."""
     head = Head(name, mg)
     saved = {k: v.clone() for k, v in head.layer.state_dict().items()}
     first = head.step(_batch(1, head.case))
@@ -281,6 +282,8 @@ def test_optimizer_steps_and_load_state_dict_between_steps(name, mg):
     clean.sgd()
     clean.zero_grad()
     _same(list(second), list(clean.step(_batch(2, clean.case))))
+    # an evaluation call (grad enabled, no backward), then the first weights back in place
+    _assert_gone(_forward_only(head, _batch(3, head.case)))
     head.layer.load_state_dict(saved)
     head.zero_grad()
     _same(list(head.step(_batch(1, head.case))), list(first))

@@ -107,6 +107,23 @@ def saved_tensor_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
+def check_accumulator_kept() -> None:
+    """For an op handed the accumulator (Megatron's ``main_grad``) for its backward, as part of
+    a compiled graph: the graph saves the accumulator with its other saved tensors, so default
+    saved-tensor hooks that hand back a copy (``save_on_cpu``, activation offloading) would have
+    the backward add into the copy, the weight's gradient lost. Refused before anything runs.
+    An activation checkpoint's hooks hand back the tensor itself (or its recomputation, which
+    for an input of the region is the input): allowed, and exact. Eager keeps the accumulator
+    out of the saved tensors, exact under any hooks."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None and getattr(hooks[0], "__module__", None) != "torch.utils.checkpoint":
+        raise ValueError(
+            "main_grad (gradient_accumulation_fusion) under torch.compile inside saved-tensor "
+            "hooks (save_on_cpu, activation offloading): the compiled graph would save main_grad "
+            "through the hooks and add the weight's gradient into a copy; run that call eager, "
+            "without the hooks, or with gradient_accumulation_fusion off")
+
+
 def check_not_recomputed() -> None:
     """``upstream_grad`` adds into the accumulator in the forward, so the forward must run exactly
     once per backward. Refuse where it may run again: inside an activation-checkpointed region
@@ -424,7 +441,8 @@ def expect_backward(ctx) -> None:
         return
     ran: list = []
     ctx.backward_ran = ran
-    weakref.finalize(ctx, _warn_unreceived, ran)
+    # not at interpreter exit (graphs alive then are not a trainer's dropped steps)
+    weakref.finalize(ctx, _warn_unreceived, ran).atexit = False
 
 
 def backward_ran(ctx) -> None:
@@ -436,13 +454,17 @@ def backward_ran(ctx) -> None:
 
 def _warn_unreceived(ran: list) -> None:
     if not ran:
-        warnings.warn(
+        # every time (each is a step's corrupted gradient), not once per location: no registry
+        warnings.warn_explicit(
             "upstream_grad: a forward added its weight gradient (times the declared upstream "
             "gradient) into the accumulator (Megatron's main_grad), and its graph was freed "
             "without that backward, so the accumulator holds a gradient that no loss received; "
             "run forward-only calls under torch.no_grad() (nothing is added there), and zero "
             "the accumulator after a step that failed between its forward and backward",
-            RuntimeWarning, stacklevel=2)
+            RuntimeWarning, __file__, _WARN_LINE, module=__name__, registry=None)
+
+
+_WARN_LINE = _warn_unreceived.__code__.co_firstlineno
 
 
 def first_order(name: str, *grads: Optional[torch.Tensor]) -> tuple:
