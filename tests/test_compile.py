@@ -332,3 +332,85 @@ def test_the_ops_outputs_that_carry_no_gradient_are_detached():
     assert r.loss.requires_grad and not r.logprob.requires_grad and not r.entropy.requires_grad
     s = linear_logprob_entropy(x, layer.weight, y, backend="torch")
     assert s.logprob.requires_grad and s.entropy.requires_grad and not s.logz.requires_grad
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("ddp", [False, True], ids=["user-main_grad", "ddp-flags"])
+def test_the_main_grad_hand_off_compiled_keeps_a_gradient_from_another_op(ddp, backend):
+    """A subclass may use the routed weight (``kernel_inputs().weight``) in an op of its own
+    beside the kernels: that op's gradient goes into ``main_grad`` through the hand-off. Compiled,
+    the hand-off's write to ``main_grad`` is a declared mutation: ordered after the kernels' own
+    additions and never dropped as dead code (it was lost, 2w here, both ways). Inductor too:
+    it runs the op's Python side effects at run time."""
+    import types
+
+    from ddp_like import ddp_like
+
+    from mcore_hooks import main_grad as mg
+
+    v, h, n = 30, 8, 10
+    g = torch.Generator().manual_seed(0)
+    w0, x, y = torch.randn(v, h, generator=g), torch.randn(n, h, generator=g), torch.randint(0, v, (n,), generator=g)
+    cfg = types.SimpleNamespace(gradient_accumulation_fusion=True)
+    ref = w0.clone().requires_grad_()
+    (linear_logprob_entropy(x, ref, y, backend="torch").logprob.sum() + (ref ** 2).sum()).backward()
+    weight = torch.nn.Parameter(w0.clone())
+    hook = ddp_like(weight) if ddp else None
+    if not ddp:
+        weight.main_grad = torch.zeros(v, h)
+
+    def step(hh):
+        routed, kw = mg.main_grad_route(weight, cfg)
+        return linear_logprob_entropy(hh, routed, y, backend="torch", **kw).logprob.sum() + (routed ** 2).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    for _ in range(2):
+        weight.main_grad.zero_()
+        if hook is not None:
+            hook.zero_grad_buffer()
+        compiled(x.clone()).backward()
+        torch.testing.assert_close(weight.main_grad, ref.grad, rtol=1e-6, atol=1e-6)
+        assert weight.grad is None and (not ddp or (hook.calls == 1 and weight.grad_added_to_main_grad))
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["user-main_grad", "ddp-flags"])
+def test_main_grad_compiled_inside_saved_tensor_hooks_is_refused(ddp):
+    """Inside saved-tensor hooks (``save_on_cpu``, activation offloading) a compiled graph saves
+    ``main_grad`` through the hooks, and the kernels' backward added the weight's gradient into a
+    copy: lost, with the weight still marked for DDP. Refused in the forward, before anything is
+    added; eager, which keeps ``main_grad`` out of the saved tensors, stays exact there."""
+    import types
+
+    from ddp_like import ddp_like
+
+    from mcore_hooks import main_grad as mg
+
+    v, h, n = 30, 8, 10
+    g = torch.Generator().manual_seed(1)
+    w0, x, y = torch.randn(v, h, generator=g), torch.randn(n, h, generator=g), torch.randint(0, v, (n,), generator=g)
+    cfg = types.SimpleNamespace(gradient_accumulation_fusion=True)
+    ref = w0.clone().requires_grad_()
+    linear_logprob_entropy(x, ref, y, backend="torch").logprob.sum().backward()
+    weight = torch.nn.Parameter(w0.clone())
+    if ddp:
+        ddp_like(weight)
+    else:
+        weight.main_grad = torch.zeros(v, h)
+
+    def step(hh):
+        routed, kw = mg.main_grad_route(weight, cfg)
+        return linear_logprob_entropy(hh, routed, y, backend="torch", **kw).logprob.sum()
+
+    def offload(t):
+        return t.detach().clone()  # what save_on_cpu's pack hook hands back: a copy
+
+    with torch.autograd.graph.saved_tensors_hooks(offload, lambda t: t):
+        step(x.clone().requires_grad_()).backward()
+    torch.testing.assert_close(weight.main_grad, ref.grad, rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()
+    weight.main_grad.zero_()
+    with torch.autograd.graph.saved_tensors_hooks(offload, lambda t: t), \
+            pytest.raises(Exception, match="inside saved-tensor hooks"):
+        torch.compile(step, backend="aot_eager")(x.clone().requires_grad_())
+    assert not weight.main_grad.any()

@@ -32,11 +32,14 @@ class PolicyLossResult(NamedTuple):
         logprob: detached float32 ``[N]`` log-probs of the labels (0 where ignored).
         entropy: detached float32 ``[N]`` entropies (0 where ignored, or where the loss does
             not use the entropy).
+        label_outside: with a kept set, bool ``[N]``: the counted tokens whose label was not in
+            it (see :class:`~mcore_hooks.kernels.LogprobEntropy`); None without one.
     """
 
     loss: torch.Tensor
     logprob: torch.Tensor
     entropy: torch.Tensor
+    label_outside: Optional[torch.Tensor] = None
 
 
 class WeightedNLL:
@@ -140,8 +143,9 @@ class PerTokenLoss:
     :class:`~.autograd.TokenLoss` for one call by :meth:`bind`."""
 
     def __init__(self, fn: Callable[..., torch.Tensor], needs_entropy: bool,
-                 input_names: Optional[tuple[str, ...]]) -> None:
+                 input_names: Optional[tuple[str, ...]], entropy_given: bool = False) -> None:
         self.fn, self.needs_entropy, self.input_names = fn, needs_entropy, input_names
+        self.entropy_given = entropy_given  # needs_entropy said by the caller, not the loss
 
     def check_inputs(self, inputs: Mapping[str, Any], what: str = "inputs") -> None:
         """ValueError naming ``what`` unless ``inputs`` has exactly the names the loss takes
@@ -204,9 +208,10 @@ def per_token_loss(
         return loss
     if not callable(loss):
         raise TypeError(f"loss: expected a PolicyLoss or a per-token function, got {type(loss).__name__}")
+    given = needs_entropy is not None
     if needs_entropy is None:
         needs_entropy = bool(getattr(loss, "needs_entropy", True))
-    return PerTokenLoss(loss, needs_entropy, getattr(loss, "input_names", None))
+    return PerTokenLoss(loss, needs_entropy, getattr(loss, "input_names", None), given)
 
 
 def aggregation_weights(

@@ -84,13 +84,18 @@ def logsoftmax_stats(
     hidden: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
     group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str,
     accumulator: Optional[Tensor], placeholder: bool, extra_ids: Optional[Tensor] = None,
+    compiled: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(logprob, entropy, logz, label_is_argmax, max, log_s, gathered hidden, extra logits)``
     per token; max, log_s and the gathered hidden states (only under sequence parallelism, else
     empty) are for the backward. ``extra_ids`` (``[N, K]`` global ids, -1 padding): their
     float32 logits, differentiable, their gradient folded into this pass's backward like the
     label's (empty without). ``accumulator`` and ``placeholder`` are for the backward alone
-    (where the weight's gradient goes; whether the weight then gets a zero-stride placeholder)."""
+    (where the weight's gradient goes; whether the weight then gets a zero-stride placeholder).
+    ``compiled``: traced by ``torch.compile`` (where the accumulator is one of the graph's
+    saved tensors: :func:`~.autograd.check_accumulator_kept`)."""
+    if accumulator is not None and compiled:
+        ag.check_accumulator_kept()
     pg = _group(group)
     x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
     local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
@@ -113,7 +118,7 @@ def logsoftmax_stats(
 
 @logsoftmax_stats.register_fake
 def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
-      accumulator, placeholder, extra_ids=None):
+      accumulator, placeholder, extra_ids=None, compiled=False):
     n = labels.shape[0]
     f32 = [hidden.new_empty(n, dtype=_F32) for _ in range(5)]
     x = hidden.new_empty((n, hidden.shape[1])) if sequence_parallel else _nothing(hidden)
@@ -198,7 +203,7 @@ def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gather
         dw = ag.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None
     elif not need_w:
         dw = None
-    return (dx, dw) + (None,) * 11
+    return (dx, dw) + (None,) * 12
 
 
 logsoftmax_stats.register_autograd(_stats_backward, setup_context=_stats_setup)
@@ -209,7 +214,8 @@ def stats(hidden: Tensor, weight: Tensor, p: KernelParams) -> tuple[Tensor, Tens
     and ``weight`` (the weight's gradient into ``p.weight_grad_accumulator`` where one is given)."""
     out = logsoftmax_stats(hidden, weight, p.labels, p.valid, p.coef, p.vocab_start,
                            group_name(p.group), p.sequence_parallel, p.chunk_size,
-                           p.backend, p.weight_grad_accumulator, p.dummy_weight_grad)
+                           p.backend, p.weight_grad_accumulator, p.dummy_weight_grad, None,
+                           torch.compiler.is_compiling())
     return out[0], out[1], out[2], out[3]
 
 
@@ -220,12 +226,15 @@ def stats(hidden: Tensor, weight: Tensor, p: KernelParams) -> tuple[Tensor, Tens
 def candidate_logits(
     hidden: Tensor, weight: Tensor, ids: Tensor, coef: Tensor, vocab_start: int,
     group: Optional[str], sequence_parallel: bool, chunk_size: int, accumulator: Optional[Tensor],
-    placeholder: bool, backend: str,
+    placeholder: bool, backend: str, compiled: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``(logits, gathered hidden)``: float32 ``[N, K]`` logits of ``ids`` (global, -1 padding:
     0 there), the same on every rank of the group; the gathered hidden states (sequence
     parallelism, else empty) are for the backward, as ``accumulator`` and ``placeholder``.
-    ``backend``: whose gathered dot products to use (``Backend.gathered_dots``)."""
+    ``backend``: whose gathered dot products to use (``Backend.gathered_dots``); ``compiled``
+    as :func:`logsoftmax_stats`'s."""
+    if accumulator is not None and compiled:
+        ag.check_accumulator_kept()
     pg = _group(group)
     x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
     logits = cand.candidate_logits(x, weight, coef, ids, vocab_start, chunk_size, invariant(backend),
@@ -237,7 +246,7 @@ def candidate_logits(
 
 @candidate_logits.register_fake
 def _(hidden, weight, ids, coef, vocab_start, group, sequence_parallel, chunk_size, accumulator,
-      placeholder, backend):
+      placeholder, backend, compiled=False):
     x = hidden.new_empty((ids.shape[0], hidden.shape[1])) if sequence_parallel else _nothing(hidden)
     return hidden.new_empty(ids.shape, dtype=_F32), x
 
@@ -269,7 +278,7 @@ def _(x, weight, ids, coef, vocab_start, group, sequence_parallel, chunk_size, d
 
 def _candidate_setup(ctx, inputs, output):
     (hidden, weight, ids, coef, vocab_start, group, sp, chunk_size, accumulator, placeholder,
-     backend) = inputs
+     backend) = inputs[:11]
     _, gathered = output
     ctx.mark_non_differentiable(gathered)
     ctx.set_materialize_grads(False)
@@ -282,7 +291,7 @@ def _candidate_setup(ctx, inputs, output):
 
 def _candidate_backward(ctx, d_logits, _):
     if d_logits is None:
-        return (None,) * 11
+        return (None,) * 12
     x, weight, ids, coef = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     acc = ctx.accumulator if need_w else None
@@ -293,7 +302,7 @@ def _candidate_backward(ctx, d_logits, _):
         dw = ag.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None
     elif not need_w:
         dw = None
-    return (dx, dw) + (None,) * 9
+    return (dx, dw) + (None,) * 10
 
 
 candidate_logits.register_autograd(_candidate_backward, setup_context=_candidate_setup)
@@ -305,17 +314,18 @@ def logits_of(hidden: Tensor, weight: Tensor, ids: Tensor, p: KernelParams) -> T
     chunk = cand.gather_chunk_size(ids.shape[1], hidden.shape[1])
     return candidate_logits(hidden, weight, ids, p.coef, p.vocab_start, group_name(p.group),
                             p.sequence_parallel, chunk, p.weight_grad_accumulator,
-                            p.dummy_weight_grad, p.backend)[0]
+                            p.dummy_weight_grad, p.backend, torch.compiler.is_compiling())[0]
 
 
 @torch.library.custom_op("mcore_hooks::top_k_ids", mutates_args=())
 def top_k_ids(
     hidden: Tensor, weight: Tensor, coef: Tensor, vocab_start: int, group: Optional[str],
     sequence_parallel: bool, chunk_size: int, top_k: int, invariant: bool,
-) -> tuple[Tensor, Tensor]:
-    """``(values, ids)`` ``[N, top_k]``: each token's ``top_k`` largest float32 logits over the
-    whole vocabulary and their global ids (no gradient), from the torch backend's statistics
-    pass (its chunks of materialised logits; Triton's fused tiles keep no logits to rank), then
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(values, ids, max, log_s)``: each token's ``top_k`` largest float32 logits over the
+    whole vocabulary and their global ids ``[N, top_k]``, and the vocabulary's statistics
+    ``[N]`` (``logZ = max + log_s``; no gradient), from the torch backend's statistics pass
+    (its chunks of materialised logits; Triton's fused tiles keep no logits to rank), then
     merged over the group."""
     pg = _group(group)
     x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
@@ -325,25 +335,29 @@ def top_k_ids(
         parts = [TorchChunked.local_stats_top_k(padded(x[s:e], BLOCK, 0), weight,
                                                 padded(coef[s:e], BLOCK, 1.0),
                                                 padded(none[s:e], BLOCK, -1), chunk_size, top_k,
-                                                aligned=True)[1]
+                                                aligned=True)
                  for s, e in blocks(n)]
-        values = torch.cat([v[: e - s] for (v, _), (s, e) in zip(parts, blocks(n))])
-        rows = torch.cat([i[: e - s] for (_, i), (s, e) in zip(parts, blocks(n))])
+        real = [e - s for s, e in blocks(n)]  # each block's rows before its padding
+        local = ag.LocalStats(*[torch.cat([st[i][:r] for (st, _), r in zip(parts, real)]) for i in range(4)])
+        values = torch.cat([v[:r] for (_, (v, _)), r in zip(parts, real)])
+        rows = torch.cat([i[:r] for (_, (_, i)), r in zip(parts, real)])
     else:
-        _, (values, rows) = TorchChunked.local_stats_top_k(x, weight, coef, none, chunk_size, top_k)
+        local, (values, rows) = TorchChunked.local_stats_top_k(x, weight, coef, none, chunk_size, top_k)
+    st = ag.combine(local, pg, invariant)
     ids = rows + vocab_start
     if ag.group_rank_size(pg)[1] > 1:
         values, ids = ag.gather_columns(values, pg), ag.gather_columns(ids, pg)
         values, where = values.topk(min(top_k, values.shape[1]), dim=1)
         ids = ids.gather(1, where)
-    return values, ids
+    return values, ids, st.max, st.log_s
 
 
 @top_k_ids.register_fake
 def _(hidden, weight, coef, vocab_start, group, sequence_parallel, chunk_size, top_k, invariant):
     n = coef.shape[0]
     k = min(top_k, weight.shape[0] * _fake_group_size(group))
-    return hidden.new_empty((n, k), dtype=_F32), hidden.new_empty((n, k), dtype=torch.long)
+    f32 = [hidden.new_empty(n, dtype=_F32) for _ in range(2)]
+    return hidden.new_empty((n, k), dtype=_F32), hidden.new_empty((n, k), dtype=torch.long), f32[0], f32[1]
 
 
 # --------------------------------------------------------------------------- losses with gradients in the forward
