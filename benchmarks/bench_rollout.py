@@ -127,6 +127,20 @@ def main() -> int:
                    (r.selected[rows].double() - _exact(x, w, y, rows, ids=teacher)).abs().max().item())
             fwd, bwd, r = ours(dict(truncation=Truncation(top_k=64, top_p=0.95)))
             record("recomputed truncation (top-k 64, top-p 0.95)", fwd, bwd, float("nan"))
+            # per request: 64 requests of n / 64 tokens each, their own options (the largest
+            # top-k, 64, sizes the kept set as the scalar form's does)
+            per = -(-n // 64)
+            g = torch.Generator().manual_seed(1)
+            req_k = torch.randint(16, 65, (64,), generator=g)
+            req_k[0] = 64
+            spread = torch.arange(n) // per
+            t_req = Truncation(top_k=req_k[spread], top_p=(0.8 + 0.2 * torch.rand(64, generator=g))[spread].cuda(),
+                               min_p=torch.where(torch.rand(64, generator=g) > 0.5, 0.02, 0.0)[spread].cuda())
+            fwd, bwd, r = ours(dict(truncation=t_req))
+            record("recomputed truncation, per request (vLLM rule)", fwd, bwd, float("nan"))
+            fwd, bwd, r = ours(dict(truncation=Truncation(top_k=req_k[spread], top_p=t_req.top_p,
+                                                          min_p=t_req.min_p, engine="sglang")))
+            record("recomputed truncation, per request (SGLang rule)", fwd, bwd, float("nan"))
         fwd, bwd, r = ours(dict(kept_ids=kept))
         record(f"kept-set replay (K={k})", fwd, bwd,
                (r.logprob[rows].double() - _exact(x, w, y, rows, kept=kept)).abs().max().item())

@@ -1,15 +1,17 @@
 """A rollout engine's sampling masks as the rows the processors take (``kept_set="replay"``).
 
-The formats, as read in the engines' released code:
+The formats, as read in the engines' released code (vLLM 0.28.0-0.33.0, SGLang 0.5.23):
 
-* **vLLM >= 0.28.0** (``--return-sampling-mask``, Model Runner V2, ``logprobs_mode=
-  "processed_logprobs"``, every request ``temperature > 0`` and ``top_k > 0``):
+* **vLLM** (first in 0.28.0; ``--return-sampling-mask``, Model Runner V2 (its default in 0.33),
+  ``logprobs_mode="processed_logprobs"``, every request ``temperature > 0`` and ``top_k > 0``):
   ``RequestOutput.outputs[i].sampling_mask`` is ``vllm.outputs.SamplingMask`` with
   ``token_ids: list[list[int]]``, one list per generated token, ascending ids: every token whose
   logit was finite after temperature, min-p, top-k and top-p, the sampled one always among them.
-  The CSR form (``token_ids`` flat, ``offsets`` of ``len + 1``) of vLLM's main branch and of its
-  internal ``SamplingMaskLists`` is taken too.
-* **SGLang >= 0.5.23** (``return_sampling_mask=True`` per request, a finite ``top_k``):
+  A row can be wider than ``top_k`` (a rule that keeps ties of the ``k``-th value). Its internal
+  CSR form, ``SamplingMaskLists`` (``token_ids`` flat, ``offsets`` of ``len + 1``; ``offsets``
+  None for one position, since 0.30.0), is taken too.
+* **SGLang** (``return_sampling_mask=True`` per request; ``top_k`` 1, or within
+  ``--sampling-mask-max-tokens``, 4096 by default: a wider support aborts the request):
   ``meta_info["output_token_sampling_mask"]``, ``list[list[int]]`` per output token, ordered by
   descending probability (order does not matter here: a set).
 
@@ -31,6 +33,9 @@ __all__ = ["sampling_mask_ids"]
 def _rows(mask: Any) -> list[Sequence[int]]:
     ids = getattr(mask, "token_ids", mask)
     offsets = getattr(mask, "offsets", None)
+    if offsets is None and hasattr(mask, "offsets") and _is_flat(ids):
+        # vLLM's SamplingMaskLists for one position: offsets None, token_ids that position's ids
+        return [[int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]]
     if offsets is not None:
         flat = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
         off = [int(o) for o in (offsets.tolist() if hasattr(offsets, "tolist") else offsets)]
@@ -47,6 +52,12 @@ def _rows(mask: Any) -> list[Sequence[int]]:
     return list(ids)
 
 
+def _is_flat(x: Any) -> bool:
+    if hasattr(x, "tolist") and hasattr(x, "ndim"):  # an array or tensor
+        return x.ndim == 1
+    return isinstance(x, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+
 def _is_rows(x: Any) -> bool:
     return isinstance(x, (list, tuple)) and all(isinstance(r, (list, tuple)) for r in x)
 
@@ -58,10 +69,13 @@ def sampling_mask_ids(
     padded with -1 (the ``kept_ids`` / ``sampling_mask`` form).
 
     Args:
-        mask: vLLM's ``SamplingMask`` (``token_ids`` as a list of lists, or flat with
-            ``offsets``: any object with those attributes, lists or tensors), or SGLang's
+        mask: vLLM's ``SamplingMask`` (``token_ids`` as a list of lists) or ``SamplingMaskLists``
+            (``token_ids`` flat with ``offsets``, or ``offsets`` None for one position: any
+            object with those attributes, lists, arrays or tensors), or SGLang's
             ``output_token_sampling_mask`` (a list of lists).
-        width: ``K`` (default: the longest row), so that sequences stack into ``[b, s, K]``.
+        width: ``K`` (default: the longest row), so that sequences stack into ``[b, s, K]``:
+            take the widest row of the batch, not the request's ``top_k`` (vLLM's rows can be
+            wider), or one fixed width for batch invariance.
         device: where the tensor goes.
 
     Returns:

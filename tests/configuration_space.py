@@ -33,8 +33,9 @@ from ddp_like import ddp_like
 PROCESSORS = ("logprob", "entropy", "logprob-entropy", "ce-none", "ce-sum", "ce-mean",
               "policy-token-mean", "policy-seq-mean-token-mean", "verl", "nemo-rl",
               # rollout parity: a sampling mask replayed (log-prob + entropy, the policy loss), a
-              # truncation recomputed, log-probs of given ids, top-k distillation
-              "kept-replay", "kept-top-k", "kept-policy", "selected", "distill")
+              # truncation recomputed (vLLM's rule; SGLang's with per-request options), log-probs of
+              # given ids, top-k distillation
+              "kept-replay", "kept-top-k", "kept-top-k-per-request", "kept-policy", "selected", "distill")
 # option -> values; the first value is the plain one
 OPTIONS: dict[str, tuple] = {
     "processor": PROCESSORS,
@@ -285,6 +286,9 @@ def _processor(c: Combo, d: dict):
         return LogprobEntropyProcessor(**inv, temperature=t, as_tuple=True, kept_set="replay")
     if p == "kept-top-k":
         return FusedLogprobProcessor(**inv, temperature=t, kept_set=Truncation(top_k=6, top_p=0.9, min_p=0.01))
+    if p == "kept-top-k-per-request":  # SGLang's rule, each sample (packed sequence) its own options
+        return FusedLogprobProcessor(**inv, temperature=t, kept_set=Truncation(
+            top_k=[5, 0], top_p=[0.85, 1.0], min_p=[0.0, 0.02], engine="sglang"))
     if p == "kept-policy":
         return PolicyLossProcessor(**inv, loss=PolicyLoss(entropy_coef=0.01), temperature=t, as_tuple=plan,
                                    kept_set="replay")

@@ -193,7 +193,7 @@ def test_recomputed_truncation_keeps_what_nemo_rl_and_vllm_keep(top_k, top_p, mi
 
 
 def test_truncation_options_are_checked():
-    for bad in (dict(top_k=0), dict(top_k=True), dict(top_k=5, top_p=0.0), dict(top_k=5, top_p=1.5),
+    for bad in (dict(top_k=True), dict(top_k=5, top_p=0.0), dict(top_k=5, top_p=1.5),
                 dict(top_k=5, min_p=-0.1), dict(top_k=5, min_p=math.nan)):
         with pytest.raises(ValueError):
             Truncation(**bad)
@@ -275,7 +275,7 @@ def test_selected_ids_leave_the_labels_log_prob_and_entropy_as_the_plain_pass_gi
 def test_sampling_masks_from_vllm_and_sglang_become_ascending_padded_rows():
     vllm_nested = SimpleNamespace(token_ids=[[7, 3], [5], [1, 9, 4]])  # vllm.outputs.SamplingMask
     vllm_csr = SimpleNamespace(token_ids=torch.tensor([3, 7, 5, 1, 4, 9], dtype=torch.int32),
-                               offsets=torch.tensor([0, 2, 3, 6]))  # vLLM main's CSR form
+                               offsets=torch.tensor([0, 2, 3, 6]))  # vLLM's SamplingMaskLists
     sglang = [[7, 3], [5], [9, 4, 1]]  # meta_info["output_token_sampling_mask"], by probability
     want = torch.tensor([[3, 7, -1, -1], [5, -1, -1, -1], [1, 4, 9, -1]])
     for m in (vllm_nested, vllm_csr, sglang):

@@ -12,6 +12,7 @@ logits in fp32 and satisfy the same tests (values to fp32 rounding; gradients to
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -54,6 +55,11 @@ class LogprobEntropy(NamedTuple):
             multi-token prediction's acceptance).
         selected: float32 ``[N, K]`` log-probabilities of ``selected_ids`` under the full
             distribution (None when none were given).
+        label_outside: bool ``[N]``, with a kept set (None otherwise): the counted tokens whose
+            label was not in it. Replayed (``kept_ids``), a rollout/trainer mismatch: refused
+            where values are checked, else that token's results are NaN. Recomputed
+            (``truncation``), the trainer's logits put the sampled token outside the engine's
+            rule: the label is kept all the same. Log its mean to watch the mismatch.
     """
 
     logprob: Optional[torch.Tensor]
@@ -61,6 +67,7 @@ class LogprobEntropy(NamedTuple):
     logz: torch.Tensor
     label_is_argmax: Optional[torch.Tensor] = None
     selected: Optional[torch.Tensor] = None
+    label_outside: Optional[torch.Tensor] = None
 
 
 def default_chunk_size(local_vocab: int) -> int:
@@ -156,33 +163,37 @@ def linear_logprob_entropy(
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
                  chunk_size, backend, accumulator=weight_grad_accumulator,
                  dummy_weight_grad=placeholder_weight_grad, batch_invariant=batch_invariant)
+    kept = kept_ids is not None or truncation is not None
+    if kept and (labels is None or kept_ids is not None and truncation is not None or selected_ids is not None):
+        raise ValueError(
+            "kept_ids / truncation: a distribution renormalised over a kept set needs labels, "
+            "and takes either kept_ids or truncation, not both, nor selected_ids (log-probs "
+            "under the full distribution)")
+    if truncation is not None and not isinstance(truncation, Truncation):
+        raise TypeError(f"truncation: expected a Truncation, got {type(truncation).__name__}")
+    v_total = weight.shape[0] * group_rank_size(parallel.group)[1]
     if p.n == 0:  # an empty micro-batch or shard: nothing to compute, nothing to communicate
-        if selected_ids is not None:
-            _id_matrix("selected_ids", selected_ids, 0, 1, hidden.device)
+        for name, ids in (("kept_ids", kept_ids), ("selected_ids", selected_ids)):
+            if ids is not None:
+                _id_matrix(name, ids, 0, v_total, hidden.device)
         return _no_tokens(hidden, weight, labels is not None,
-                          None if selected_ids is None else selected_ids.shape[1])
-    if kept_ids is not None or truncation is not None:
-        if labels is None or kept_ids is not None and truncation is not None or selected_ids is not None:
-            raise ValueError(
-                "kept_ids / truncation: a distribution renormalised over a kept set needs labels, "
-                "and takes either kept_ids or truncation, not both, nor selected_ids (log-probs "
-                "under the full distribution)")
+                          None if selected_ids is None else selected_ids.shape[1], kept)
+    if kept:
         if truncation is not None:
-            if not isinstance(truncation, Truncation):
-                raise TypeError(f"truncation: expected a Truncation, got {type(truncation).__name__}")
-            ids = _truncated(hidden, weight, p, truncation)
+            ids, outside, bad = _truncated(hidden, weight, p, truncation)
         else:
-            ids = _id_matrix("kept_ids", kept_ids, p.n, weight.shape[0] * group_rank_size(parallel.group)[1],
-                             hidden.device)
-            cand.check_kept_ids(ids, p.labels, p.valid, weight.shape[0] * group_rank_size(parallel.group)[1])
+            ids, bad = _id_matrix("kept_ids", kept_ids, p.n, v_total, hidden.device)
+            cand.check_kept_ids(ids, p.labels, p.valid, v_total)
+            found, _ = cand.label_columns(ids, p.labels)
+            outside = p.valid & ~found & (ids >= 0).any(dim=1)  # NaN there (refused where checked)
+        p = _nan_where(p, bad)
         if ops.invariant(p.backend):
             ids = cand.aligned_columns(ids)
         r = cand.kept_stats(ops.logits_of(hidden, weight, ids, p), ids, p.labels, p.valid)
-        return LogprobEntropy(r.logprob, r.entropy, r.logz, r.label_is_argmax)
+        return LogprobEntropy(r.logprob, r.entropy, r.logz, r.label_is_argmax, label_outside=outside)
     if selected_ids is not None:
-        ids = _id_matrix("selected_ids", selected_ids, p.n, weight.shape[0] * group_rank_size(parallel.group)[1],
-                         hidden.device)
-        return _selected(hidden, weight, p, ids, with_label=labels is not None)
+        ids, bad = _id_matrix("selected_ids", selected_ids, p.n, v_total, hidden.device)
+        return _selected(hidden, weight, _nan_where(p, bad), ids, with_label=labels is not None)
     logprob, entropy, logz, best = ops.stats(hidden, weight, p)
     if labels is None:
         return LogprobEntropy(None, entropy, logz)
@@ -198,43 +209,65 @@ def _zero_anchor(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _no_tokens(hidden: torch.Tensor, weight: torch.Tensor, with_labels: bool,
-               k: Optional[int]) -> LogprobEntropy:
+               k: Optional[int], kept: bool) -> LogprobEntropy:
     """:class:`LogprobEntropy` of a call with no tokens: empty, differentiable (zero gradients)."""
     anchor = _zero_anchor(hidden, weight)
     empty = anchor.expand(0)
     selected = None if k is None else anchor.expand(0, k)
-    best = torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    none = torch.zeros(0, dtype=torch.bool, device=hidden.device)
     return LogprobEntropy(empty if with_labels else None, empty, empty.detach(),
-                          best if with_labels else None, selected)
+                          none if with_labels else None, selected, none if kept else None)
 
 
-def _id_matrix(name: str, ids: Any, n: int, v_total: int, device: torch.device) -> torch.Tensor:
-    """``[N, K]`` long ids on ``device`` (checked: an integer matrix, one row per token, ids in
-    the vocabulary or -1 where values are checked)."""
+def _id_matrix(name: str, ids: Any, n: int, v_total: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([N, K] long ids on device, [N] bool: tokens with an id outside the vocabulary)``:
+    checked, an integer matrix of one row per token; ids in the vocabulary or -1 where values
+    are checked (an error), else such a token is flagged (its results are made NaN: no rank
+    owns the id, which would otherwise count as a logit of 0)."""
     if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
             or ids.dtype == torch.bool:
         raise TypeError(f"{name}: expected an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
     if ids.dim() != 2 or ids.shape[0] != n or ids.shape[1] < 1:
         raise ValueError(f"{name}: expected shape ({n}, K) (K ids per token), got {tuple(ids.shape)}")
     ids = ids.to(device=device, dtype=torch.long)
-    if check_values(ids):
-        bad = (ids < -1) | (ids >= v_total)
-        if bool(bad.any()):
-            raise ValueError(f"{name}: ids must be in [0, {v_total}) or -1 (padding), got {int(ids[bad][0])}")
-    return ids
+    bad = (ids < -1) | (ids >= v_total)
+    if check_values(ids) and bool(bad.any()):
+        raise ValueError(f"{name}: ids must be in [0, {v_total}) or -1 (padding), got {int(ids[bad][0])}")
+    return ids, bad.any(dim=1)
 
 
-def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams, t: Truncation) -> torch.Tensor:
-    """The kept ids ``[N, top_k + 1]`` of a truncation of these logits, the label added where
-    the truncation dropped it (no gradient: a selection)."""
-    values, ids = ops.top_k_ids(hidden.detach(), weight.detach(), p.coef, p.vocab_start,
-                                ops.group_name(p.group), p.sequence_parallel, p.chunk_size, t.top_k,
-                                ops.invariant(p.backend))
+def _nan_where(p: KernelParams, bad: torch.Tensor) -> KernelParams:
+    """``p`` with NaN logit coefficients for the tokens ``bad`` flags: their results, and their
+    gradients, are NaN (bad input never gives a plausible number)."""
+    return dataclasses.replace(p, coef=torch.where(bad, torch.nan, p.coef))
+
+
+def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
+               t: Truncation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(kept ids [N, width + 1], label outside [N], bad [N])``: the kept set of a truncation
+    of these logits by its engine's rule, the label added where the rule dropped it (no
+    gradient: a selection); which labels that was; which tokens cannot be answered (ties
+    beyond the width, options out of range)."""
+    _, tp = group_rank_size(p.group)
+    v_total = weight.shape[0] * tp
+    opts = t._per_token(p.n, hidden.device, v_total)
+    values, ids, m, log_s = ops.top_k_ids(hidden.detach(), weight.detach(), p.coef, p.vocab_start,
+                                          ops.group_name(p.group), p.sequence_parallel, p.chunk_size,
+                                          t._width(v_total), ops.invariant(p.backend))
     if ops.invariant(p.backend):  # aligned rows for the sort's softmax and cumulative sum
         pad = cand.aligned_columns(ids).shape[1] - ids.shape[1]
         values = torch.cat([values, values.new_full((values.shape[0], pad), -math.inf)], dim=1)
         ids = torch.cat([ids, ids.new_full((ids.shape[0], pad), -1)], dim=1)
-    return cand.with_labels(cand.truncate(values, ids, t), p.labels, p.valid)
+    kept, overflow = cand.truncate(values, ids, opts, t.engine, m, log_s, v_total)
+    bad = (overflow | opts.bad) & p.valid
+    if check_values(bad) and bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        why = ("its top-k options are out of range" if bool(opts.bad[i]) else
+               f"more logits tie with its {int(opts.top_k[i])}-th largest than the kept set's width "
+               f"holds (vLLM's rule keeps every tie); raise Truncation.ties (now {t.ties})")
+        raise ValueError(f"truncation: token {i}: {why}")
+    kept, outside = cand.with_labels(kept, p.labels, p.valid)
+    return kept, outside, bad
 
 
 def _selected(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams, ids: torch.Tensor,
@@ -246,7 +279,8 @@ def _selected(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams, ids: 
     cols = torch.cat([ids, torch.where(p.valid, p.labels, -1).unsqueeze(1)], dim=1) if with_label else ids
     out = ops.logsoftmax_stats(hidden, weight, none, p.valid, p.coef, p.vocab_start,
                                ops.group_name(p.group), p.sequence_parallel, p.chunk_size, p.backend,
-                               p.weight_grad_accumulator, p.dummy_weight_grad, cols)
+                               p.weight_grad_accumulator, p.dummy_weight_grad, cols,
+                               torch.compiler.is_compiling())
     neg_logz, entropy, logz, m, log_s, logits = out[0], out[1], out[2], out[4], out[5], out[7]
     # (l - m) - log s, as the statistics pass rounds it; the gradient of -logZ added as an exact 0
     value = (logits - m.unsqueeze(1)) - log_s.unsqueeze(1)
@@ -443,11 +477,24 @@ def linear_policy_loss(
             batch_invariant=batch_invariant)
         ent = r.entropy if fn.needs_entropy else None
         terms = fn.bind(tw, tensors, p.valid).terms(slice(0, p.n), r.logprob, ent)
-        total = torch.where(p.valid & (tw != 0), terms, 0.0).sum()  # weight 0: no term, even NaN
+        counted = p.valid & (tw != 0)
+        if kept_ids is not None:  # a counted token was sampled from something: not an empty row
+            empty = counted & ~(kept_ids.to(hidden.device) >= 0).any(dim=1)
+            if check_values(empty) and bool(empty.any()):
+                i = int(empty.nonzero()[0])
+                raise ValueError(
+                    f"kept_ids: token {i} counts in the loss (token_weight {float(tw[i]):g}) but its "
+                    f"kept set is empty (all -1): the mask is short or shifted against the labels "
+                    f"({int(empty.sum())} token(s))")
+            terms = torch.where(empty, torch.nan, terms)
+        total = torch.where(counted, terms, 0.0).sum()  # weight 0: no term, even NaN
         return PolicyLossResult(total, r.logprob.detach(),
-                                r.entropy.detach() if fn.needs_entropy else torch.zeros_like(r.logprob))
+                                r.entropy.detach() if fn.needs_entropy else torch.zeros_like(r.logprob),
+                                r.label_outside)
     # exactly PolicyLoss (a subclass may change the formula the op would rebuild from the fields)
-    if type(fn.fn) is PolicyLoss and fn.needs_entropy == fn.fn.needs_entropy:
+    # (and the loss's own entropy flag: a caller's may differ; not compared, as under
+    # torch.compile(dynamic=True) they may be symbolic, which torch 2.13's Dynamo cannot compare)
+    if type(fn.fn) is PolicyLoss and not fn.entropy_given:
         # data: the op takes it (and checks the inputs' values)
         fn.check_inputs(tensors)
         r = _fused(hidden, weight, p, tw, fn.fn, tensors)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -266,62 +266,226 @@ def kept_stats(logits: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor,
                      torch.where(valid, logz, zero), valid & best)
 
 
-@dataclasses.dataclass(frozen=True)
+ENGINES = ("vllm", "sglang")
+
+Values = Union[float, Sequence[float], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Truncation:
-    """A sampler's truncation, recomputed from the trainer's own logits, as vLLM applies it:
-    temperature first (the logits the kernels see are already divided by it), then min-p, then
-    top-k, then top-p on the top-k-renormalised distribution (vLLM's ``apply_top_k_top_p`` and
-    ``min_p``, the order of its Model Runner V2 sampler).
+    """A rollout engine's truncation (top-k, top-p, min-p), recomputed from the trainer's own
+    logits, by that engine's PyTorch rule as its released code writes it (vLLM 0.33.0's
+    ``apply_top_k_top_p_pytorch`` after its Model Runner V2 ``min_p``; SGLang 0.5.23's
+    ``top_k_top_p_min_p_sampling_from_probs_torch``). The logits are already divided by the
+    temperature (the processor's or the kernel's ``temperature``).
 
-    * ``min_p``: keeps ``p_j >= min_p * p_max``, i.e. ``l_j >= l_max + log(min_p)``;
-    * ``top_k``: the ``k`` largest logits, exactly ``k`` (vLLM's Triton kernel, its GPU default,
-      keeps exactly ``k``; its PyTorch reference would keep every tie of the ``k``-th value);
-    * ``top_p``: sorted ascending, drops a token while the cumulative mass up to it is
-      ``<= 1 - top_p``; the most likely token is always kept.
+    ``engine="vllm"``: min-p drops ``l < l_max + log(min_p)`` (float32); top-k keeps every logit
+    ``>=`` the ``k``-th largest (all of its ties: a row can be wider than ``k``); top-p, over the
+    top-k-renormalised distribution sorted ascending, drops while the float32 cumulative mass is
+    ``<= 1 - top_p`` (``1 - top_p`` in float32), always keeping the most likely token.
 
-    The label (the token the rollout sampled) is always kept, as every sampler's kept set holds
-    its sampled token: where the trainer's logits differ from the rollout's near a boundary the
-    label may otherwise fall just outside.
+    ``engine="sglang"``: on the full-vocabulary probabilities sorted descending (ties by
+    ascending id: SGLang's own sort order is unspecified), top-k keeps exactly ``k`` by rank;
+    top-p, on those unrenormalised probabilities, drops a token whose float32 cumulative mass
+    before it exceeds ``top_p``; min-p last drops ``p < min_p * p_max``; a token whose
+    probability is 0 in float32 is not kept.
+
+    Not reproduced by any recomputation (replay their masks instead): vLLM's GPU sampler, a
+    Triton kernel that departs from its PyTorch rule (with min-p and top-p together, all-equal
+    rows, ties with min-p's dropped entries, top-p without top-k), and SGLang's FlashInfer
+    backend (its CUDA default: top-k keeping ties, joint or renormalised top-p).
+    ``docs/rollout.md`` has the measured differences.
+
+    The label (the token the rollout sampled) is kept even where the recomputed set dropped it
+    (the rollout did sample it; near a boundary the trainer's logits may differ from the
+    rollout's); the kernels report where that happened (``label_outside``).
+
+    Each of ``top_k``, ``top_p`` and ``min_p`` is one value, or one per request: a list or a
+    1-D tensor, ``[b]`` (one per sample, or per packed sequence) for a processor, ``[N]`` (one
+    per token) for the kernel functions; requests in one rollout batch have their own.
 
     Attributes:
-        top_k: tokens kept before top-p (required: it bounds the kept set, as vLLM's and SGLang's
-            sampling masks require a finite ``top_k``).
-        top_p: the nucleus mass in ``(0, 1]`` (1: off).
+        top_k: tokens kept by top-k; ``<= 0`` or more than the vocabulary means none (as vLLM
+            normalises it). Required: it bounds the kept set the kernels gather. Per request, a
+            list or a CPU tensor (its largest value sizes the set, read on the host), or a
+            device tensor with ``max_top_k``.
+        top_p: the nucleus mass, in ``(0, 1]`` (1: off).
         min_p: the minimum probability relative to the most likely token, in ``[0, 1]`` (0: off).
+        engine: ``"vllm"`` or ``"sglang"``: whose rule.
+        ties: with ``engine="vllm"``, room for logits tied with the ``k``-th beyond ``k`` (its
+            rule keeps them all; bf16-rounded logits tie often). A token whose ties do not fit
+            is refused where values are checked, else gives NaN.
+        max_top_k: the largest effective ``top_k`` when ``top_k`` is a device tensor.
     """
 
-    top_k: int
-    top_p: float = 1.0
-    min_p: float = 0.0
+    top_k: Union[int, Sequence[int], torch.Tensor, None] = None
+    top_p: Values = 1.0
+    min_p: Values = 0.0
+    engine: str = "vllm"
+    ties: int = 16
+    max_top_k: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
-            raise ValueError(f"top_k: expected a positive int (it bounds the kept set), got {self.top_k!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine: expected one of {', '.join(map(repr, ENGINES))}, got {self.engine!r}")
+        if self.top_k is None:
+            raise ValueError(
+                "top_k: required, e.g. Truncation(top_k=50, top_p=0.9): it bounds the kept set the "
+                "fused kernels gather (the engines require a finite top_k to export a sampling mask "
+                "too); one per request as a list or a CPU tensor")
+        _check_ints("top_k", self.top_k)
         for name, lo_open in (("top_p", True), ("min_p", False)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not is_finite(v) \
-                    or not (0 < v <= 1 if lo_open else 0 <= v <= 1):
-                raise ValueError(f"{name}: expected a float in {'(0, 1]' if lo_open else '[0, 1]'}, got {v!r}")
+            _check_unit("top_p" if lo_open else "min_p", getattr(self, name), lo_open)
+        if isinstance(self.ties, bool) or not isinstance(self.ties, int) or self.ties < 0:
+            raise ValueError(f"ties: expected a non-negative int, got {self.ties!r}")
+        if self.max_top_k is not None and (isinstance(self.max_top_k, bool)
+                                           or not isinstance(self.max_top_k, int) or self.max_top_k < 1):
+            raise ValueError(f"max_top_k: expected a positive int or None, got {self.max_top_k!r}")
+        if isinstance(self.top_k, torch.Tensor) and self.top_k.device.type != "cpu":
+            if self.max_top_k is None:
+                raise ValueError(
+                    "top_k: a device tensor needs max_top_k (its largest value, an int): the kept "
+                    "set's width is read on the host, never from the device; or pass a list or a "
+                    "CPU tensor")
+
+    def _width(self, v_total: int) -> int:
+        """The kept set's width: the largest effective top-k (none: the vocabulary), plus room
+        for the ``k``-th value's ties, at most the vocabulary."""
+        if self.max_top_k is not None:
+            k = self.max_top_k
+        else:
+            ks = [int(self.top_k)] if isinstance(self.top_k, int) else _int_list(self.top_k)
+            k = max(v_total if kk <= 0 or kk > v_total else kk for kk in ks) if ks else 1
+        return max(1, min(v_total, k + self.ties))
+
+    def _per_token(self, n: int, device: torch.device, v_total: int) -> "TokenTruncation":
+        """The options as ``[n]`` tensors on ``device`` (one value, or one per token), top-k
+        normalised (none: the vocabulary), and which tokens' options are out of range (only
+        where device values cannot be checked: such a token gives NaN)."""
+        def vec(name, v, dtype):
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                return torch.full((n,), v, dtype=dtype, device=device)
+            t = torch.as_tensor(v, dtype=dtype).to(device)
+            if t.shape != (n,):
+                raise ValueError(f"truncation.{name}: expected one value or {n} (one per token), got "
+                                 f"shape {tuple(t.shape)}")
+            return t
+
+        k = vec("top_k", self.top_k, torch.long)
+        k = torch.where((k <= 0) | (k > v_total), v_total, k)
+        p, min_p = vec("top_p", self.top_p, torch.float32), vec("min_p", self.min_p, torch.float32)
+        bad = ~((p > 0) & (p <= 1) & (min_p >= 0) & (min_p <= 1))  # NaN fails too
+        return TokenTruncation(k, p, min_p, bad)
 
 
-def truncate(values: torch.Tensor, ids: torch.Tensor, t: Truncation) -> torch.Tensor:
-    """The kept ids ``[N, k]`` (-1 where dropped) of a token's top-k ``values`` (float32 scaled
-    logits, any order) and their global ``ids``, with min-p and top-p applied."""
-    vals, order = values.sort(dim=1)  # ascending, as vLLM's reference sorts
-    ids = ids.gather(1, order)
-    if t.min_p > 0:
-        vals = vals.masked_fill(vals < vals[:, -1:] + math.log(t.min_p), -math.inf)
-    if t.top_p < 1:
-        cum = torch.cumsum(torch.softmax(vals, dim=1), dim=1)
-        drop = cum <= 1 - t.top_p
-        drop[:, -1] = False  # at least one
-        vals = vals.masked_fill(drop, -math.inf)
-    return torch.where(torch.isfinite(vals), ids, -1)
+class TokenTruncation(NamedTuple):
+    """:class:`Truncation`'s options per token, on the device."""
+
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    bad: torch.Tensor
 
 
-def with_labels(kept: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``kept [N, k]`` with a last column holding each counted token's label where it was not
-    kept (-1 elsewhere)."""
+def _int_list(v) -> list[int]:
+    return [int(i) for i in (v.tolist() if isinstance(v, torch.Tensor) else v)]
+
+
+def _check_ints(name: str, v) -> None:
+    if isinstance(v, bool) or isinstance(v, float):
+        raise ValueError(f"{name}: expected an int or one per request, got {v!r}")
+    if isinstance(v, int):
+        return
+    if isinstance(v, torch.Tensor):
+        if v.dim() != 1 or v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool:
+            raise ValueError(f"{name}: expected a 1-D integer tensor (one per request), got {v.dtype} "
+                             f"of shape {tuple(v.shape)}")
+        return
+    if not isinstance(v, (list, tuple)) or not v or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in v):
+        raise ValueError(f"{name}: expected an int or a non-empty list of ints (one per request), got {v!r}")
+
+
+def _check_unit(name: str, v, lo_open: bool) -> None:
+    """A float in (0, 1] (``lo_open``) or [0, 1], or one per request: a list (checked) or a
+    tensor (checked where its values can be read without waiting on a device)."""
+    interval = "(0, 1]" if lo_open else "[0, 1]"
+
+    def ok(x) -> bool:
+        return (isinstance(x, (int, float)) and not isinstance(x, bool) and is_finite(x)
+                and (0 < x <= 1 if lo_open else 0 <= x <= 1))
+
+    if isinstance(v, torch.Tensor):
+        if v.dim() != 1 or not v.dtype.is_floating_point:
+            raise ValueError(f"{name}: expected a 1-D float tensor (one per request), got {v.dtype} of "
+                             f"shape {tuple(v.shape)}")
+        if check_values(v) and not all(ok(float(x)) for x in v.tolist()):
+            raise ValueError(f"{name}: every value must be in {interval}")
+        return
+    if isinstance(v, (list, tuple)):
+        if not v or not all(ok(x) for x in v):
+            raise ValueError(f"{name}: expected floats in {interval}, one per request, got {list(v)[:8]}")
+        return
+    if not ok(v):
+        raise ValueError(f"{name}: expected a float in {interval}, got {v!r}")
+
+
+def _descending(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates by value descending, ties by ascending id (one order, whatever order the
+    search returned them in)."""
+    by_id = ids.masked_fill(ids < 0, torch.iinfo(torch.long).max).argsort(dim=1, stable=True)
+    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    order = values.argsort(dim=1, descending=True, stable=True)
+    return values.gather(1, order), ids.gather(1, order)
+
+
+def truncate(values: torch.Tensor, ids: torch.Tensor, t: TokenTruncation, engine: str,
+             m: torch.Tensor, log_s: torch.Tensor, v_total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kept ids [N, Kc] with -1 where dropped, overflow [N])`` of each token's ``Kc`` largest
+    float32 scaled logits ``values`` (any order) and their global ``ids``, by ``engine``'s rule
+    (:class:`Truncation`). ``m`` and ``log_s``: the full vocabulary's statistics (SGLang's rule
+    works on full-vocabulary probabilities). ``overflow``: vLLM's top-k keeps ties of the
+    ``k``-th value that did not fit in ``Kc``."""
+    vals, ids = _descending(values.float(), ids)
+    n, kc = vals.shape
+    neg = torch.tensor(-math.inf, dtype=torch.float32, device=vals.device)
+    col = torch.arange(kc, device=vals.device).unsqueeze(0)
+    k = t.top_k.clamp(max=kc).unsqueeze(1)
+    if engine == "vllm":
+        # min-p on the scaled logits: l < l_max + log(min_p), in float32 (log(0) = -inf: off)
+        vals = torch.where(vals < vals[:, :1] + torch.log(t.min_p).unsqueeze(1), neg, vals)
+        # top-k: everything below the k-th largest goes; its ties stay
+        kth = vals.gather(1, k - 1)
+        # the smallest candidate tied with the k-th, and more of the vocabulary than was gathered:
+        # ties may lie beyond (padding, id -1, is not a candidate)
+        smallest = torch.where(ids >= 0, vals, math.inf).amin(dim=1)
+        overflow = (t.top_k < v_total) & ((ids >= 0).sum(dim=1) < v_total) \
+            & (smallest >= kth.squeeze(1)) & torch.isfinite(kth.squeeze(1))
+        vals = torch.where(vals < kth, neg, vals)
+        # top-p over the survivors' softmax, ascending: drop while the cumulative mass is
+        # <= 1 - p (float32), never the largest
+        asc = vals.flip(1)
+        cum = torch.cumsum(torch.softmax(asc, dim=1), dim=1)
+        drop = (cum <= (1 - t.top_p).unsqueeze(1)) & (t.top_p < 1).unsqueeze(1)
+        drop[:, -1] = False
+        vals = torch.where(drop.flip(1), neg, vals)
+        keep = torch.isfinite(vals)
+    else:
+        overflow = torch.zeros(n, dtype=torch.bool, device=vals.device)
+        # the full vocabulary's probabilities, sorted descending, and their float32 cumulative sum
+        prob = torch.exp(vals - m.unsqueeze(1)) / torch.exp(log_s).unsqueeze(1)
+        cum = torch.cumsum(prob, dim=1)
+        w = torch.where(col < k, prob, 0.0)  # top-k by rank
+        w = torch.where(cum - prob > t.top_p.unsqueeze(1), 0.0, w)  # top-p, unrenormalised
+        w = torch.where(w < w[:, :1] * t.min_p.unsqueeze(1), 0.0, w)  # min-p last
+        keep = w > 0
+    return torch.where(keep, ids, -1), overflow
+
+
+def with_labels(kept: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kept [N, k + 1], outside [N])``: ``kept`` with a last column holding each counted
+    token's label where it was not kept (-1 elsewhere), and where that was."""
     found, _ = label_columns(kept, labels)
-    extra = torch.where(valid & ~found, labels, -1)
-    return torch.cat([kept, extra.unsqueeze(1)], dim=1)
+    outside = valid & ~found
+    extra = torch.where(outside, labels, -1)
+    return torch.cat([kept, extra.unsqueeze(1)], dim=1), outside

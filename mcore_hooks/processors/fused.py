@@ -17,8 +17,10 @@ scales them is known only there), unless ``upstream_grad`` declares it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple, Optional, Union
 
 import torch
@@ -42,7 +44,7 @@ from ..kernels.losses import AGGREGATIONS, group_sum
 from ..kernels.options import is_finite
 from ..mtp import MTPDepth, MTPLoss, fused_mtp_loss
 from ..postprocess import PostprocessContext, PostprocessProcessor
-from .labels import labels_from_input_ids, per_token_temperature, sequence_index
+from .labels import labels_from_input_ids, per_request, per_token_temperature, sequence_index
 
 __all__ = [
     "FusedLogprobProcessor",
@@ -76,6 +78,29 @@ def _per_token_ids(name: str, t: Any, b: int, s: int) -> torch.Tensor:
     return t.transpose(0, 1).reshape(b * s, t.shape[2])
 
 
+def _per_token_truncation(t: Truncation, ctx: PostprocessContext, b: int, s: int) -> Truncation:
+    """``t`` with each per-request option (one per sample, or per packed sequence) spread over
+    this call's tokens, on the hidden states' device; the kept set's width read from the
+    per-request top-k on the host, where it was given."""
+    def spread(name: str) -> Any:
+        value = getattr(t, name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return value
+        return per_request(f"kept_set.{name}", value, b, s, ctx.packed_seq_params, ctx.cp_size,
+                           ctx.hidden_states.device)
+
+    if all(isinstance(getattr(t, f), (int, float)) for f in ("top_k", "top_p", "min_p")):
+        return t
+    top_k = spread("top_k")
+    width = t.max_top_k
+    if not isinstance(top_k, int) and width is None:  # the host's copy: no device read
+        ks = t.top_k.tolist() if isinstance(t.top_k, torch.Tensor) else list(t.top_k)
+        # <= 0 means none: the whole vocabulary (the kernel caps the width at it)
+        width = max(int(k) if int(k) > 0 else 1 << 62 for k in ks)
+    return dataclasses.replace(t, top_k=top_k, top_p=spread("top_p"), min_p=spread("min_p"),
+                               max_top_k=None if isinstance(top_k, int) else width)
+
+
 def _context_tensor(ctx: PostprocessContext, key: str, what: str) -> Any:
     given = ctx.context
     if not hasattr(given, "__getitem__") or not hasattr(given, "keys") or key not in given.keys():
@@ -92,6 +117,10 @@ class _KernelInputs(NamedTuple):
     kwargs: dict
     bs: tuple[int, int]
     labels_bs: Optional[torch.Tensor]
+
+
+def _has_key(context: Any, key: str) -> bool:
+    return isinstance(context, Mapping) and key in context
 
 
 def _check_options(temperature: Any, ignore_index: Any, chunk_size: Any, backend: Any) -> None:
@@ -181,6 +210,12 @@ class _FusedProcessor(PostprocessProcessor):
         """The hook's keywords in the kernels' form: ``[tokens, h]`` hidden states (s-major),
         flat labels, keyword arguments, the ``(b, s)`` to reshape per-token results to, and the
         ``[b, s]`` labels used (None without labels)."""
+        if self.kept_set is None and _has_key(ctx.context, "sampling_mask"):
+            raise ValueError(
+                "output_processor_context['sampling_mask']: given, but this processor's kept_set is "
+                "None, so its log-probs would be over the whole vocabulary rather than the "
+                "rollout's kept set; pass kept_set='replay' to renormalise over it (or leave the "
+                "mask out)")
         hidden, weight = ctx.output_layer_inputs()
         note = compat.output_layer_precision_note(ctx.config)
         if note is not None:
@@ -224,11 +259,13 @@ class _FusedProcessor(PostprocessProcessor):
         return _context_tensor(ctx, "sampling_mask", "the rollout's sampling mask, [b, s, K] ids")
 
     def kept_kwargs(self, ctx: PostprocessContext, bs: tuple[int, int]) -> dict:
-        """The kernel keywords of this processor's ``kept_set`` (none without one)."""
+        """The kernel keywords of this processor's ``kept_set`` (none without one): a
+        :class:`~mcore_hooks.kernels.Truncation` with its per-request options spread over the
+        tokens, or the sampling mask's rows."""
         if self.kept_set is None:
             return {}
         if isinstance(self.kept_set, Truncation):
-            return {"truncation": self.kept_set}
+            return {"truncation": _per_token_truncation(self.kept_set, ctx, *bs)}
         return {"kept_ids": _per_token_ids("output_processor_context['sampling_mask']",
                                            self.sampling_mask(ctx), *bs)}
 
@@ -238,9 +275,28 @@ class _FusedProcessor(PostprocessProcessor):
         """Run the log-prob / entropy kernel; returns its per-token results, the ``(b, s)`` to
         reshape them to, and the ``[b, s]`` labels used (None without labels)."""
         k = self.kernel_inputs(ctx, with_labels=with_labels)
-        result = linear_logprob_entropy(k.hidden, k.weight, k.labels, **k.kwargs,
-                                        **self.kept_kwargs(ctx, k.bs))
+        kept = self.kept_kwargs(ctx, k.bs)
+        result = linear_logprob_entropy(k.hidden, k.weight, k.labels, **k.kwargs, **kept)
+        if "kept_ids" in kept and ctx.loss_mask is not None:
+            result = self._refuse_empty_rows(ctx, k, kept["kept_ids"], result)
         return result, k.bs, k.labels_bs
+
+    def _refuse_empty_rows(self, ctx: PostprocessContext, k: "_KernelInputs", ids: torch.Tensor,
+                           result: LogprobEntropy) -> LogprobEntropy:
+        """A position the loss mask counts was sampled, so its replayed row cannot be empty (a
+        mask short or shifted against the labels): refused where values are checked, else NaN
+        there (an empty row alone gives 0: a prompt or padding position)."""
+        empty = (self.counted(ctx, k) != 0) & ~(ids.to(k.hidden.device) >= 0).any(dim=1)
+        if check_values(empty) and bool(empty.any()):
+            b, s = k.bs
+            i = int(empty.nonzero()[0])
+            raise ValueError(
+                f"output_processor_context['sampling_mask']: position ({i % b}, {i // b}) counts "
+                f"(loss_mask) but its kept set is empty (all -1): the mask is short or shifted "
+                f"against the labels ({int(empty.sum())} position(s))")
+        nan = torch.tensor(torch.nan, device=empty.device)
+        return result._replace(logprob=torch.where(empty, nan, result.logprob),
+                               entropy=torch.where(empty, nan, result.entropy))
 
     def counted(self, ctx: PostprocessContext, k: "_KernelInputs") -> torch.Tensor:
         """Float32 per-token weights of the positions that count (s-major, like the kernel's
@@ -397,7 +453,12 @@ class LogprobEntropyProcessor(_FusedProcessor):
     def process(self, ctx: PostprocessContext) -> Union[dict, tuple]:
         r, bs, _ = self.compute(ctx)
         logprobs, entropy = self.to_bs(r.logprob, bs), self.to_bs(r.entropy, bs)
-        return (logprobs, entropy) if self.as_tuple else {"logprobs": logprobs, "entropy": entropy}
+        if self.as_tuple:
+            return logprobs, entropy
+        out = {"logprobs": logprobs, "entropy": entropy}
+        if r.label_outside is not None:
+            out["label_outside"] = self.to_bs(r.label_outside, bs)
+        return out
 
 
 class LinearCEProcessor(_FusedProcessor):
@@ -587,9 +648,12 @@ class PolicyLossProcessor(_FusedProcessor):
                                **kept)
         loss = _whole_value(r.loss, ctx)
         logprobs, entropy = self.to_bs(r.logprob, k.bs), self.to_bs(r.entropy, k.bs)
-        return (loss, logprobs, entropy) if self.as_tuple else {
-            "loss": loss, "logprobs": logprobs, "entropy": entropy
-        }
+        if self.as_tuple:
+            return loss, logprobs, entropy
+        out = {"loss": loss, "logprobs": logprobs, "entropy": entropy}
+        if r.label_outside is not None:
+            out["label_outside"] = self.to_bs(r.label_outside, k.bs)
+        return out
 
 
 class SelectedLogprobProcessor(_FusedProcessor):

@@ -115,17 +115,29 @@ def per_token_temperature(
     The result is on ``device`` (the hidden states'): a CPU temperature tensor is copied there,
     host to device, rather than the device's ``cu_seqlens`` read back to the host.
     """
-    if not isinstance(temperature, torch.Tensor):
-        return temperature
+    return per_request("temperature", temperature, batch, seq, packed_seq_params, cp_size, device)
+
+
+def per_request(
+    name: str, value: Any, batch: int, seq: int, packed_seq_params: Any = None, cp_size: int = 1,
+    device: Optional[torch.device] = None,
+) -> Any:
+    """One value as it is, or one per request (per sample; per packed sequence for THD input:
+    a list or a 1-D tensor) as one per token in ``[s, b]`` order on ``device``
+    (:func:`per_token_temperature`'s rule); errors name ``name``."""
+    if isinstance(value, (list, tuple)):
+        value = torch.tensor(value)
+    if not isinstance(value, torch.Tensor):
+        return value
     if device is not None:
-        temperature = temperature.to(device)
-    if temperature.dim() != 1:
-        raise ValueError(f"temperature: expected a float or a 1-D tensor, got shape {tuple(temperature.shape)}")
-    ids, num_sequences = sequence_index(batch, seq, packed_seq_params, temperature.device, cp_size)
-    if temperature.shape[0] != num_sequences:
+        value = value.to(device)
+    if value.dim() != 1:
+        raise ValueError(f"{name}: expected one value or a 1-D tensor, got shape {tuple(value.shape)}")
+    ids, num_sequences = sequence_index(batch, seq, packed_seq_params, value.device, cp_size)
+    if value.shape[0] != num_sequences:
         per = "packed sequence" if batch == 1 and _is_thd(packed_seq_params) else "sample"
-        raise ValueError(f"temperature: expected one per {per} ({num_sequences}), got {temperature.shape[0]}")
-    return temperature[ids.t().reshape(-1)]  # [s, b] order, like the tokens'
+        raise ValueError(f"{name}: expected one per {per} ({num_sequences}), got {value.shape[0]}")
+    return value[ids.t().reshape(-1)]  # [s, b] order, like the tokens'
 
 
 
