@@ -100,13 +100,20 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 # --------------------------------------------------------------------------- process groups
 
 
-@functools.lru_cache(maxsize=None)
+# Megatron's get_pg_rank / get_pg_size, looked up once outside torch.compile (an lru_cache in
+# traced code makes Dynamo warn of possible silent incorrectness); [] until then, [None] without.
+_PG_HELPERS: list = []
+
+
 def _megatron_pg_helpers() -> Optional[tuple[Callable[[Any], int], Callable[[Any], int]]]:
-    try:
-        from megatron.core.utils import get_pg_rank, get_pg_size
-    except ImportError:
-        return None
-    return get_pg_rank, get_pg_size
+    if not _PG_HELPERS and not torch.compiler.is_compiling():
+        try:
+            from megatron.core.utils import get_pg_rank, get_pg_size
+        except ImportError:
+            _PG_HELPERS.append(None)
+        else:
+            _PG_HELPERS.append((get_pg_rank, get_pg_size))
+    return _PG_HELPERS[0] if _PG_HELPERS else None
 
 
 def group_rank_size(group: Any) -> tuple[int, int]:
@@ -304,13 +311,12 @@ def schedule_loss_gradient(config: Any, num_microbatches: int, *, loss_func_retu
     return float(seed / num_microbatches * cp)
 
 
-@functools.lru_cache(maxsize=None)
-def _stock_scale_logits() -> Optional[Callable[..., Any]]:
-    try:
-        from megatron.core.models.common.language_module.language_module import LanguageModule
-    except ImportError:
-        return None
-    return getattr(LanguageModule, "_scale_logits", None)
+def _is_stock_scale_logits(fn: Any) -> bool:
+    """Whether ``fn`` is Megatron's own ``LanguageModule._scale_logits`` (0.17+), told by where
+    it is defined: no import and no cache, so ``torch.compile`` traces it as plain attribute
+    reads (an ``lru_cache`` in traced code made Dynamo warn of possible silent incorrectness)."""
+    return (getattr(fn, "__qualname__", None) == "LanguageModule._scale_logits"
+            and getattr(fn, "__module__", None) == "megatron.core.models.common.language_module.language_module")
 
 
 def identity_scale_logits(model: Any, logits: torch.Tensor) -> torch.Tensor:
@@ -338,8 +344,7 @@ def logit_scale(scale_logits: Callable[[torch.Tensor], torch.Tensor], config: An
     """
     if getattr(scale_logits, "__func__", None) is identity_scale_logits:
         return 1.0
-    stock = _stock_scale_logits()
-    if stock is not None and getattr(scale_logits, "__func__", None) is stock:
+    if _is_stock_scale_logits(getattr(scale_logits, "__func__", None)):
         return float(config.mup_output_mult) if getattr(config, "use_mup", False) else 1.0
     probe = torch.tensor([1.0, 2.0], dtype=torch.float64)
     out = scale_logits(probe)
@@ -349,6 +354,18 @@ def logit_scale(scale_logits: Callable[[torch.Tensor], torch.Tensor], config: An
     if not math.isclose(float(out[1]), 2.0 * scale, rel_tol=1e-12):
         raise ValueError("scale_logits: the model's logit scaling is not a constant factor")
     return scale
+
+
+@functools.lru_cache(maxsize=None)
+def mtp_derives_labels() -> bool:
+    """Whether Megatron Core's MTP derives the depths' labels from ``input_ids`` when the model
+    gets none (``process_mtp_loss(input_ids=...)``, 0.19+); before, MTP needs labels."""
+    try:
+        from megatron.core.transformer import multi_token_prediction as mtp
+    except ImportError:
+        return False
+    f = getattr(mtp, "process_mtp_loss", None)
+    return f is not None and "input_ids" in inspect.signature(f).parameters
 
 
 def mtp_enabled(model: torch.nn.Module) -> bool:

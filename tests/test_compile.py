@@ -27,7 +27,6 @@ from mcore_hooks.integrations.verl import FusedOutputProcessorContext
 from mcore_hooks.kernels import PolicyLoss, linear_cross_entropy, linear_logprob_entropy, linear_policy_loss, ops
 from mcore_hooks.testing import hook_keywords
 
-pytestmark = pytest.mark.filterwarnings("ignore:Dynamo")
 
 B, S, H, V = 2, 16, 8, 30
 

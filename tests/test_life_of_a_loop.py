@@ -41,7 +41,6 @@ from mcore_hooks.integrations.verl import FusedOutputProcessorContext
 from mcore_hooks.kernels import PolicyLoss
 from mcore_hooks.testing import hook_keywords
 
-pytestmark = pytest.mark.filterwarnings("ignore:Dynamo")
 
 S, B, H, V, K = 6, 2, 8, 30, 4
 

@@ -104,11 +104,20 @@ def tiles_for(capability: tuple[int, int], shared_memory_per_block: int) -> Opti
     return None
 
 
-@functools.lru_cache(maxsize=None)
+# device index -> its tiles, filled outside torch.compile (the backend is chosen in traced code,
+# where an lru_cache makes Dynamo warn of possible silent incorrectness)
+_TILES_BY_DEVICE: dict[int, Optional[Tiles]] = {}
+
+
 def _device_tiles(index: int) -> Optional[Tiles]:
+    if index in _TILES_BY_DEVICE:
+        return _TILES_BY_DEVICE[index]
     props = torch.cuda.get_device_properties(index)
     limit = getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block
-    return tiles_for((props.major, props.minor), limit)
+    tiles = tiles_for((props.major, props.minor), limit)
+    if not torch.compiler.is_compiling():
+        _TILES_BY_DEVICE[index] = tiles
+    return tiles
 
 
 def device_tiles(device: torch.device) -> Optional[Tiles]:
