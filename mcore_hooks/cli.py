@@ -40,10 +40,21 @@ def _megatron_core_version() -> str:
         return megatron.core.__version__
 
 
+def _version() -> str:
+    from . import __version__
+
+    try:
+        mcore = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        mcore = "not installed"
+    return f"mcore-hooks {__version__} (Megatron Core {mcore})"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mcore-hooks", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", metavar="command", required=True)
     verify = commands.add_parser(
         "verify",
@@ -62,12 +73,16 @@ def _parser() -> argparse.ArgumentParser:
         "--model", nargs="+", default=None, choices=["gpt", "hybrid", "mamba"],
         help="model classes to check (default: every class the installed release has)",
     )
-    verify.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    verify.add_argument("--table", action="store_true",
+                        help="print every check's row (default: the verdict and any failing rows)")
+    verify.add_argument("--json", action="store_true", help="print every check as JSON")
+    verify.set_defaults(subparser=verify)  # its own usage in its errors
     return parser
 
 
 def verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[int, str]:
-    """Run the checks; returns the exit status and the report to print."""
+    """Run the checks; returns the exit status and the report to print (the verdict first, then
+    any failing rows; every row with ``--table``). ``parser``: verify's own, for its errors."""
     if any(n < 1 for n in args.tp):
         parser.error("--tp: expected positive integers")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
@@ -108,17 +123,26 @@ def verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[i
     meta = dict(megatron_core=version, torch=torch.__version__, device=args.device)
     if args.json:
         return status, to_json(results, **meta)
-    return status, "\n".join([
+    failed = [r for r in results if not r.passed]
+    lines = [
         f"mcore-hooks verify: Megatron Core {version}, torch {meta['torch']}, device {args.device}",
-        format_table(results),
-        f"{sum(r.passed for r in results)} passed, {sum(not r.passed for r in results)} failed",
-    ])
+        f"{len(results) - len(failed)} passed, {len(failed)} failed",
+    ]
+    if args.table:
+        lines += ["", format_table(results)]
+    elif failed:
+        lines += ["", "failing checks:", format_table(failed)]
+    if not args.table:
+        lines.append("(every check's row: mcore-hooks verify --table; as JSON: --json)")
+    return status, "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
-    status, report = verify(args, parser)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the command they were given to, with its usage
+        args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    status, report = verify(args, args.subparser)
     try:
         print(report)
         sys.stdout.flush()

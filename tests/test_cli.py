@@ -24,14 +24,31 @@ def test_help_says_what_the_tool_does():
     assert bad.returncode == 2 and "invalid choice: 'check'" in bad.stderr
 
 
-def test_verify_report_is_the_table_alone():
+def test_verify_reports_the_verdict_first_and_the_table_on_request():
+    """The verdict on the second line (then only failing rows), not at the end of 400 rows; the
+    whole table with --table; no notes Megatron prints about a machine without CUDA."""
     out = subprocess.run(CLI + QUICK, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     version = importlib.metadata.version("megatron-core")
-    assert out.stdout.startswith(f"mcore-hooks verify: Megatron Core {version}, torch ")
-    assert re.search(r"^\d+ passed, 0 failed$", out.stdout, re.M)
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"mcore-hooks verify: Megatron Core {version}, torch ")
+    assert re.fullmatch(r"\d+ passed, 0 failed", lines[1]) and len(lines) == 3, out.stdout
     notes = re.compile("|".join(KNOWN_NOTES))
     assert not [line for line in out.stderr.splitlines() if notes.search(line)], out.stderr
+    table = subprocess.run(CLI + QUICK + ["--table"], capture_output=True, text=True, timeout=300)
+    assert table.returncode == 0 and "processor" in table.stdout and len(table.stdout.splitlines()) > 20
+
+
+def test_version_and_the_commands_own_usage_in_its_errors():
+    from mcore_hooks import __version__
+
+    out = subprocess.run(CLI + ["--version"], capture_output=True, text=True, timeout=60)
+    version = importlib.metadata.version("megatron-core")
+    assert out.returncode == 0 and out.stdout.strip() == f"mcore-hooks {__version__} (Megatron Core {version})"
+    for args, says in ((["verify", "--tp", "0"], "--tp: expected positive integers"),
+                       (["verify", "--bogus"], "unrecognized arguments: --bogus")):
+        bad = subprocess.run(CLI + args, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and bad.stderr.startswith("usage: mcore-hooks verify ") and says in bad.stderr
 
 
 def test_a_closed_pipe_ends_quietly_with_the_checks_status():
