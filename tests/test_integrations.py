@@ -214,7 +214,10 @@ def test_nemo_rl_temperature_divides_the_logits_once():
         logits = _stock_logits(model, batch)
     right = torch.log_softmax(logits / T, -1)[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(ours, right, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(ours, at_one / T, rtol=1e-3)  # what dividing the log-probs gives
+    # what dividing the log-probs gives, NeMo RL's fused path: far from it (docs/migration.md:
+    # about 0.3 relative to it at T = 0.7, norm-wise over the batch)
+    fused = at_one / T
+    assert 0.25 < ((ours - fused).norm() / fused.norm()).item() < 0.35
 
 
 def _nemo_cp():
@@ -264,18 +267,21 @@ def test_nemo_rl_processor_refuses_mtp_with_unshifted_labels():
     batch = tiny_batch(cfg)
     ids = batch.pop("input_ids")
     batch.pop("labels", None)
-    with pytest.raises(ValueError, match="NemoRLLogprobProcessor with multi-token prediction: called with labels"):
+    from mcore_hooks import compat
+
+    # the way out it names exists on this release: labels=None where Megatron derives the depths'
+    # targets (0.19+), none before (0.16's MTP needs labels: labels=None failed inside Megatron)
+    way = "Call the model with labels=None" if compat.mtp_derives_labels() else "there is no way .* 0.19"
+    with pytest.raises(ValueError, match="NemoRLLogprobProcessor with multi-token prediction: called with labels"
+                       f"(.|\\n)*{way}"):
         model(input_ids=ids, labels=ids, **batch, output_processor=NemoRLLogprobProcessor())
     assert all(p.grad is None for p in model.parameters())
 
 
 def _derives_mtp_labels() -> bool:
-    import inspect
+    from mcore_hooks import compat
 
-    from megatron.core.transformer import multi_token_prediction as mtp
-
-    f = getattr(mtp, "process_mtp_loss", None)
-    return f is not None and "input_ids" in inspect.signature(f).parameters
+    return compat.mtp_derives_labels()
 
 
 @pytest.mark.skipif(not _derives_mtp_labels(), reason="Megatron Core < 0.19 cannot derive MTP labels from input_ids")

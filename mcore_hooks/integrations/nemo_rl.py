@@ -90,15 +90,17 @@ class NemoRLLogprobProcessor(_FusedProcessor):
         depth's targets from ``input_ids``: NeMo RL's own non-fused call); refused with NeMo RL's
         unshifted ``labels=input_ids`` (see the module docstring)."""
         if labels_given() is not False:
-            raise ValueError(
-                "NemoRLLogprobProcessor with multi-token prediction: called with labels "
-                "(NeMo RL's labels=input_ids are unshifted), but Megatron's MTP takes labels as "
-                "next-token labels and rolls them once more per depth, so each depth would learn "
-                "the token it is fed, over one token too many per sequence. Call the model with "
-                "labels=None and loss_mask=token_mask * sample_mask, as NeMo RL's non-fused path "
-                "does (Megatron Core 0.19+ derives the depths' targets from input_ids), or turn "
-                "MTP off"
-            )
+            why = ("NemoRLLogprobProcessor with multi-token prediction: called with labels (NeMo "
+                   "RL's labels=input_ids are unshifted), but Megatron's MTP takes labels as "
+                   "next-token labels and rolls them once more per depth, so each depth would learn "
+                   "the token it is fed, over one token too many per sequence. ")
+            if compat.mtp_derives_labels():
+                raise ValueError(why + "Call the model with labels=None and loss_mask=token_mask * "
+                                 "sample_mask, as NeMo RL's non-fused path does (Megatron Core "
+                                 "derives the depths' targets from input_ids), or turn MTP off")
+            raise ValueError(why + "This Megatron Core's MTP needs labels (deriving them from "
+                             "input_ids arrived in 0.19), so there is no way to run NeMo RL's "
+                             "unshifted call with MTP on it: turn MTP off, or use Megatron Core 0.19+")
         return super().mtp_loss(depth)
 
     def labels(self, ctx: PostprocessContext) -> torch.Tensor:

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
@@ -714,6 +715,19 @@ def _backend_class(name: str) -> type[Backend]:
     from . import triton_fused
 
     return triton_fused.TritonFused
+
+
+def triton_unavailable() -> Optional[str]:
+    """Why the Triton backend cannot run on this machine (None where it can: Triton imports and
+    a CUDA device is there, or Triton's CPU interpreter is on), without a device to ask about;
+    whether a given GPU has tiles is said where the kernels run."""
+    from . import triton_fused
+
+    if triton_fused.triton is None:
+        return "Triton is not installed (pip install triton, or the 'triton' extra)"
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA device is available"
+    return None
 
 
 def backend_name(name: str, tiles: str = "") -> str:

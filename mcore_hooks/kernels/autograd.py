@@ -490,9 +490,17 @@ def check_upstream_grad(grad: torch.Tensor, declared: float) -> None:
     """That the gradient a loss received is the one declared when its weight gradient went into
     the accumulator in the forward. On the device, without waiting for it: a mismatch stops
     the process with a device-side assertion (at once on the CPU), never a wrong gradient."""
-    torch._assert_async(
-        grad.detach().float() == declared,
-        f"upstream_grad: the loss was declared to receive the gradient {declared!r} in its backward "
-        "(its weight gradient, scaled by that, was added into the accumulator in the forward), "
-        "but received another",
+    what = (f"upstream_grad: the loss was declared to receive the gradient {declared!r} in its "
+            "backward (its weight gradient, scaled by that, was added into the accumulator in the "
+            "forward), but received ")
+    same = grad.detach().float() == declared  # in float32, as the accumulator was scaled
+    if grad.device.type == "cpu" and not torch.compiler.is_compiling():  # readable without a wait
+        if not bool(same):
+            raise RuntimeError(what + f"{float(grad)!r}: declare the value your loss function and "
+                               "the schedule give it (megatron_upstream_grad), or leave it None")
+        return
+    torch._assert_async(  # on the device: the value cannot be printed without a host sync
+        same,
+        what + "another (compare megatron_upstream_grad's value with what the loss function and "
+        "the schedule multiply the loss by)",
     )

@@ -12,6 +12,7 @@ gradient as the stock loss written with the same torch operations.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Literal, Mapping, NamedTuple, Optional
 
 import torch
@@ -114,6 +115,10 @@ class PolicyLoss:
         """The per-token inputs it takes."""
         return ("old_logprobs", "advantages") + (("ref_logprobs",) if self.kl_coef != 0 else ())
 
+    # the inputs any configuration takes: one this configuration does not use (ref_logprobs with
+    # kl_coef 0) is accepted and left aside, so a trainer can pass the same inputs whatever the loss
+    known_inputs = ("old_logprobs", "advantages", "ref_logprobs")
+
     def __call__(
         self, logprob: torch.Tensor, entropy: Optional[torch.Tensor], *, old_logprobs: torch.Tensor,
         advantages: torch.Tensor, ref_logprobs: Optional[torch.Tensor] = None,
@@ -146,18 +151,27 @@ class PerTokenLoss:
                  input_names: Optional[tuple[str, ...]], entropy_given: bool = False) -> None:
         self.fn, self.needs_entropy, self.input_names = fn, needs_entropy, input_names
         self.entropy_given = entropy_given  # needs_entropy said by the caller, not the loss
+        # what a call must give, and may give (None: anything), by the loss's own account or,
+        # for a plain function, by its signature fn(logprob, entropy, **inputs)
+        if input_names is not None:
+            self.required: Optional[tuple[str, ...]] = tuple(input_names)
+            self.accepted: Optional[tuple[str, ...]] = tuple(getattr(fn, "known_inputs", input_names))
+        else:
+            self.required, self.accepted = _function_inputs(fn)
 
     def check_inputs(self, inputs: Mapping[str, Any], what: str = "inputs") -> None:
-        """ValueError naming ``what`` unless ``inputs`` has exactly the names the loss takes
-        (anything goes for a function whose names are not known)."""
-        if self.input_names is None or set(inputs) == set(self.input_names):
+        """ValueError naming ``what`` where ``inputs`` lacks a name the loss needs or has one it
+        does not know (a name it knows but this configuration does not use is accepted)."""
+        missing = [k for k in self.required or () if k not in inputs]
+        extra = [] if self.accepted is None else [k for k in inputs if k not in self.accepted]
+        if not missing and not extra:
             return
-        missing = [k for k in self.input_names if k not in inputs]
-        extra = [k for k in inputs if k not in self.input_names]
         parts = ([f"missing {', '.join(map(repr, missing))}"] if missing else []) + (
             [f"unexpected {', '.join(map(repr, extra))}"] if extra else [])
-        raise ValueError(f"{what}: {'; '.join(parts)} (the loss takes "
-                         f"{', '.join(map(repr, self.input_names))})")
+        takes = (f"the loss takes {', '.join(map(repr, self.required or ()))}"
+                 + (f" (and accepts {', '.join(map(repr, sorted(set(self.accepted) - set(self.required or ()))))})"
+                    if self.accepted is not None and set(self.accepted) - set(self.required or ()) else ""))
+        raise ValueError(f"{what}: {'; '.join(parts)} ({takes})")
 
     def bind(self, token_weight: torch.Tensor, inputs: Mapping[str, torch.Tensor],
              valid: torch.Tensor) -> "_BoundPerTokenLoss":
@@ -187,6 +201,19 @@ class _BoundPerTokenLoss:
                 f"{tuple(logprob.shape)}), got {tuple(getattr(f, 'shape', ())) or type(f).__name__}"
             )
         return f.float() * self.token_weight[rows]
+
+
+def _function_inputs(fn: Any) -> tuple[Optional[tuple[str, ...]], Optional[tuple[str, ...]]]:
+    """``(required, accepted)`` input names of ``fn(logprob, entropy, **inputs)`` from its
+    signature (None: unknown, anything goes)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())[2:]
+    except (TypeError, ValueError):  # no signature (a builtin): nothing to check
+        return None, None
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    required = tuple(p.name for p in named if p.default is p.empty)
+    accepted = None if any(p.kind is p.VAR_KEYWORD for p in params) else tuple(p.name for p in named)
+    return required, accepted
 
 
 def per_token_loss(

@@ -39,6 +39,7 @@ from ..kernels import (
     linear_logprob_entropy,
     linear_policy_loss,
     per_token_loss,
+    triton_unavailable,
 )
 from ..kernels.losses import AGGREGATIONS, group_sum
 from ..kernels.options import is_finite
@@ -126,6 +127,11 @@ def _has_key(context: Any, key: str) -> bool:
 def _check_options(temperature: Any, ignore_index: Any, chunk_size: Any, backend: Any) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if backend == "triton":
+        why = triton_unavailable()
+        if why is not None:
+            raise ValueError(f"backend: 'triton' cannot run on this machine: {why}; backend='auto' "
+                             "takes Triton where it can run and the torch backend elsewhere")
     if isinstance(temperature, torch.Tensor):
         if temperature.dim() != 1 or not temperature.dtype.is_floating_point:
             raise ValueError(
@@ -220,6 +226,10 @@ class _FusedProcessor(PostprocessProcessor):
         note = compat.output_layer_precision_note(ctx.config)
         if note is not None:
             warnings.warn(note, stacklevel=2)  # once per call site (Python's default filter)
+        if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(
+                f"the model's hidden states are {hidden.dtype}: the fused processors take float32, "
+                "bfloat16 or float16 models (the model config's params_dtype, bf16, fp16)")
         if hidden.dim() != 3:
             raise ValueError(f"hidden_states: expected [s, b, h], got shape {tuple(hidden.shape)}")
         s_local, b, h = hidden.shape
@@ -266,8 +276,15 @@ class _FusedProcessor(PostprocessProcessor):
             return {}
         if isinstance(self.kept_set, Truncation):
             return {"truncation": _per_token_truncation(self.kept_set, ctx, *bs)}
-        return {"kept_ids": _per_token_ids("output_processor_context['sampling_mask']",
-                                           self.sampling_mask(ctx), *bs)}
+        name = "output_processor_context['sampling_mask']"
+        ids = _per_token_ids(name, self.sampling_mask(ctx), *bs)
+        v_total = ctx.weight.shape[0] * ctx.tp_size
+        if check_values(ids):  # named as the caller passed it (the kernel says kept_ids)
+            bad = (ids < -1) | (ids >= v_total)
+            if bool(bad.any()):
+                raise ValueError(f"{name}: ids must be vocabulary ids in [0, {v_total}) or -1 "
+                                 f"(padding), got {int(ids[bad][0])}")
+        return {"kept_ids": ids}
 
     def compute(
         self, ctx: PostprocessContext, *, with_labels: bool = True
@@ -643,6 +660,11 @@ class PolicyLossProcessor(_FusedProcessor):
                     f"got {tuple(getattr(t, 'shape', ())) or type(t).__name__}"
                 )
             inputs[name] = t.t().reshape(-1)  # s-major, like the kernel's tokens
+        counts = (token_weight != 0) & (k.labels != self.ignore_index)
+        for name, t in inputs.items():  # named as the caller passed them (the kernel says inputs[...])
+            if check_values(t) and not bool(torch.isfinite(t.to(counts.device)[counts]).all()):
+                raise ValueError(f"output_processor_context[{name!r}]: NaN or infinite values at "
+                                 "positions that count (loss_mask and labels)")
         r = linear_policy_loss(k.hidden, k.weight, k.labels, token_weight=token_weight,
                                loss=self.loss, inputs=inputs, **_declared(k.kwargs, self.upstream_grad),
                                **kept)

@@ -1,0 +1,94 @@
+"""Errors in the user's words: what a newcomer meets through the public API on a tiny CPU model
+names what they passed (the processor's options, ``output_processor_context[...]``, the model's
+dtype), never an internal name, and says what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_hooks import (
+    FusedLogprobProcessor,
+    LogprobEntropyProcessor,
+    PolicyLossProcessor,
+    debug_checks,
+)
+from mcore_hooks.kernels import PolicyLoss, triton_unavailable
+from mcore_hooks.testing import hook_keywords
+
+S, B, H, V = 4, 2, 8, 30
+
+
+def _keywords(dtype=torch.float32, context=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    layer = torch.nn.Linear(H, V, bias=False).to(dtype)
+    hidden = torch.randn(S, B, H, generator=g).to(dtype)
+    labels = torch.randint(0, V, (B, S), generator=g)
+    return hook_keywords(hidden, layer, labels=labels, context=context), labels
+
+
+def _policy_context(labels, **extra):
+    g = torch.Generator().manual_seed(3)
+    return {"old_logprobs": -torch.rand(B, S, generator=g), "advantages": torch.randn(B, S, generator=g), **extra}
+
+
+def test_a_float64_model_is_named_as_the_models_dtype():
+    kw, _ = _keywords(torch.float64)
+    with pytest.raises(TypeError, match="the model's hidden states are torch.float64: .* float32, bfloat16 or float16 models"):
+        FusedLogprobProcessor()(**kw)
+
+
+def test_a_bad_sampling_mask_id_names_the_context_key():
+    kw, labels = _keywords()
+    mask = torch.stack([labels, (labels + 1) % V], -1)
+    mask[0, 1, 1] = V + 3
+    kw["context"] = {"sampling_mask": mask}
+    with debug_checks(True), pytest.raises(ValueError, match=r"output_processor_context\['sampling_mask'\]: ids must"):
+        LogprobEntropyProcessor(kept_set="replay")(**kw)
+
+
+def test_nan_in_a_policy_input_names_the_context_key():
+    kw, labels = _keywords()
+    ctx = _policy_context(labels)
+    ctx["old_logprobs"][1, 2] = float("nan")
+    kw["context"] = ctx
+    with debug_checks(True), pytest.raises(ValueError, match=r"output_processor_context\['old_logprobs'\]: NaN"):
+        PolicyLossProcessor()(**kw)
+
+
+def test_a_loss_functions_missing_input_is_named():
+    """A per-token function's inputs come from its signature: one missing from the context is
+    named there, not left to the function's own TypeError."""
+    kw, labels = _keywords()
+    kw["context"] = {"old_logprobs": torch.zeros(B, S)}
+
+    def loss(logprob, entropy, old_logprobs, advantages, scale=1.0):
+        return -advantages * scale * (logprob - old_logprobs).exp()
+
+    with pytest.raises(ValueError, match=r"output_processor_context: missing 'advantages' \(the loss takes 'old_logprobs', 'advantages' \(and accepts 'scale'\)\)"):
+        PolicyLossProcessor(loss=loss)(**kw)
+    kw["context"] = {"old_logprobs": torch.zeros(B, S), "advantages": torch.ones(B, S), "typo": torch.ones(B, S)}
+    with pytest.raises(ValueError, match="unexpected 'typo'"):
+        PolicyLossProcessor(loss=loss)(**kw)
+
+
+def test_a_known_input_the_loss_does_not_use_is_accepted_an_unknown_one_refused():
+    """A trainer passes the same inputs whatever the loss: ref_logprobs with kl_coef 0 is left
+    aside; a key no configuration takes is still refused."""
+    kw, labels = _keywords()
+    kw["context"] = _policy_context(labels, ref_logprobs=torch.zeros(B, S))
+    with_ref = PolicyLossProcessor(loss=PolicyLoss(kl_coef=0.0))(**kw)["loss"]
+    kw["context"] = _policy_context(labels)
+    without = PolicyLossProcessor(loss=PolicyLoss(kl_coef=0.0))(**kw)["loss"]
+    assert torch.equal(with_ref, without)
+    kw["context"] = _policy_context(labels, advantage=torch.zeros(B, S))
+    with pytest.raises(ValueError, match="unexpected 'advantage'"):
+        PolicyLossProcessor()(**kw)
+
+
+def test_backend_triton_is_refused_when_the_processor_is_built():
+    why = triton_unavailable()
+    if why is None:
+        pytest.skip("Triton can run here")
+    with pytest.raises(ValueError, match="backend: 'triton' cannot run on this machine"):
+        FusedLogprobProcessor(backend="triton")
