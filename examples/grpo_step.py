@@ -88,13 +88,20 @@ def main() -> int:
             (p.detach() - q.detach()).abs().max().item()
             for p, q in zip(stock.parameters(), build_tiny_model(cfg).parameters())
         )
-    print("GRPO step on a tiny GPTModel (CPU), two mini-batches")
+    # float32 throughout; the two paths sum the same terms in another order (the fused kernel's
+    # chunks against one log_softmax), so the losses agree to float32 rounding, not bit for bit
+    print("GRPO step on a tiny GPTModel (CPU, float32), two mini-batches")
+    same = True
     for i, (a, b) in enumerate(zip(losses_stock, losses_hooked)):
-        print(f"  mini-batch {i}: loss stock logits {a:+.8f}   mcore-hooks processors {b:+.8f}")
-    print(f"  weights moved by the update: {moved:.3e}; max |stock - processors| after it: {max_dw:.3e}")
-    same = all(abs(a - b) <= 1e-5 * max(1.0, abs(a)) for a, b in zip(losses_stock, losses_hooked))
-    same = same and max_dw <= 1e-5 * max(moved, 1e-12) + 1e-7
-    print("same losses and same updated weights" if same else "MISMATCH")
+        tol = 1e-5 * max(1.0, abs(a))
+        same = same and abs(a - b) <= tol
+        print(f"  mini-batch {i}: loss stock logits {a:+.8f}, mcore-hooks processors {b:+.8f}: "
+              f"difference {abs(a - b):.1e} (held to {tol:.0e})")
+    w_tol = 1e-5 * max(moved, 1e-12) + 1e-7
+    same = same and max_dw <= w_tol
+    print(f"  weights moved by the update: {moved:.3e}; largest difference between the two updated "
+          f"models: {max_dw:.1e} (held to {w_tol:.0e})")
+    print("equal within those tolerances" if same else "MISMATCH")
     return 0 if same else 1
 
 

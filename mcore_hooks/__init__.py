@@ -7,7 +7,8 @@ Public API (everything else is internal):
 * :class:`DefaultProcessor` — reproduces the stock output through the hook;
 * :func:`enable_output_processor`, :func:`supports_output_processor`, :func:`hooked_class`;
 * ``HookedGPTModel``, ``HookedHybridModel``, ``HookedMambaModel`` — classes to build directly
-  (the stock class itself where it already has the hook);
+  (subclasses of the stock classes; where a class already has the hook, one that passes its
+  calls through, adding the MTP loss hook);
 * :func:`check_output_processor`, ``OUTPUT_PROCESSOR_KEYWORDS`` — the call convention;
 * the bundled processors (:mod:`mcore_hooks.processors`): :class:`FusedLogprobProcessor`,
   :class:`EntropyProcessor`, :class:`LogprobEntropyProcessor`, :class:`LinearCEProcessor`,

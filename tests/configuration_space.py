@@ -14,7 +14,7 @@ batch-invariant mode, and ``torch.compile`` around the call (graph breaks allowe
 gloo CPU ranks in float32, and compares values and gradients with the same processor on the
 unsplit batch (itself checked against stock Megatron by the rest of the suite). A combination either matches or is refused
 before anything is written, with an error naming it. ``python tests/configuration_space.py``
-prints the matrix as the README's table.
+prints the matrix as docs/testing.md's table.
 
 The shards are cut by loops written from Megatron's layout, independently of the library.
 """
@@ -532,7 +532,7 @@ def run_all(combos: list[Combo]) -> list[tuple[Combo, Optional[str], Optional[st
 
 
 def table(rows: list[tuple[Combo, Optional[str], Optional[str]]]) -> str:
-    """The README's matrix: one line per combination, exact or refused and why."""
+    """The docs' matrix: one line per combination, exact or refused and why."""
     lines = ["| processor | TP | SP | CP | layout | tied | temperature | labels | loss mask | main_grad "
              "| path | loss uses | checkpoint | MTP | deferred wgrad | batch-invariant | compiled | result |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -562,9 +562,10 @@ README_START, README_END = "<!-- configuration-space:start -->", "<!-- configura
 
 
 def readme_table() -> str:
+    """The matrix as docs/testing.md shows it (between the markers)."""
     import pathlib
 
-    text = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "testing.md").read_text()
     return text[text.index(README_START) + len(README_START):text.index(README_END)].strip()
 
 

@@ -38,10 +38,10 @@ def test_the_covering_set_covers_every_pair():
 
 
 def test_every_pair_of_options_is_exact_or_refused():
-    """... and the README's matrix is this run's (regenerate it with
+    """... and docs/testing.md's matrix is this run's (regenerate it with
     ``python tests/configuration_space.py``)."""
     rows = _run(covering_set())
-    assert readme_table() == table(rows), "README's configuration-space table is stale"
+    assert readme_table() == table(rows), "docs/testing.md's configuration-space table is stale"
 
 
 def test_random_combinations_are_exact_or_refused():

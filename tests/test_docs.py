@@ -46,7 +46,8 @@ def test_every_public_name_is_documented():
 def test_guides_name_real_things():
     """What the guides' code blocks import from mcore_hooks exists."""
     checked = 0
-    for guide in ("index.md", "migration.md", "processors.md", "policy-loss.md", "rollout.md", "../README.md"):
+    for guide in ("index.md", "usage.md", "mtp-and-plan.md", "testing.md", "performance.md", "migration.md",
+                  "processors.md", "policy-loss.md", "rollout.md", "../README.md"):
         for block in re.findall(r"```python\n(.*?)```", (DOCS / guide).read_text(), flags=re.S):
             for node in ast.walk(ast.parse(block)):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mcore_hooks"):
@@ -105,3 +106,28 @@ def test_docstring_args_name_real_parameters():
             assert name in params, f"{dotted}: Args entry {name!r} is not a parameter {sorted(params)}"
             checked += 1
     assert checked >= 50
+
+
+def _first_result(path: Path) -> str:
+    text = path.read_text()
+    section = text[text.index("## A first result, on the CPU"):]
+    return re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+
+
+def test_the_readmes_first_script_runs_as_pasted_and_prints_its_result():
+    """The README's (and the docs landing page's) first script, run as a newcomer pastes it:
+    no Megatron notes on stderr, the log-probs and entropies printed, and the difference from
+    Megatron's own loss within float32 rounding."""
+    import subprocess
+    import sys
+
+    script = _first_result(DOCS.parent / "README.md")
+    assert script == _first_result(DOCS / "index.md")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=DOCS.parent.parent)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("log p(label): [") and lines[1].startswith("entropy:      [")
+    diff = float(lines[2].split(":")[1])
+    assert diff < 1e-5, lines
+    assert "Warning" not in out.stderr and "deprecated" not in out.stderr.lower(), out.stderr
