@@ -7,9 +7,11 @@ through the kernels' ``weight_grad_accumulator`` and :func:`main_grad_route`.
 
 Nothing here outlives the autograd graph that needs it: the hand-off is a node of that graph
 (freed with it, whether or not a backward runs), and the only sharing between calls is inside
-one :func:`shared_routes` block (one model forward with its MTP depths). Its backward's side
-effects (the flag DDP reads, the placeholder) run in a custom op, so ``torch.compile`` keeps
-them at run time instead of tracing them away.
+one :func:`shared_routes` block (one model forward with its MTP depths). Eager, its backward's
+side effects (the flag DDP reads, the placeholder) run in a custom op. A compiled backward is
+traced once and replays no Python side effect: there the weight is not marked, and DDP gets a
+gradient it adds itself (zeros, or another op's). CUDA graphs are refused (the kernels'
+``check_accumulator_kept``).
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ def main_grad_accumulator(weight: torch.Tensor, config: Any) -> Optional[torch.T
     return main_grad
 
 
-# An op (``torch.compile`` keeps it whole, and runs it); it writes ``main_grad`` (declared: a
-# compiled graph orders it after the kernels' own additions and never drops it) and sets a Python
-# attribute, which a CUDA graph's replay would not (cudagraph_unsafe: inductor leaves it outside).
+# An op (``torch.compile`` keeps it whole): it writes ``main_grad`` (declared: a compiled graph
+# orders it after the kernels' own additions and never drops it) and, eager, sets the flag DDP
+# reads (a compiled backward with DDP's flags does not call it: see _MainGradHandoff.backward).
 @torch.library.custom_op("mcore_hooks::main_grad_handoff", mutates_args=("main_grad",),
                          tags=(torch.Tag.cudagraph_unsafe,))
 def main_grad_handoff(weight: Tensor, main_grad: Tensor, grad: Optional[Tensor], mark: bool,
@@ -73,6 +75,7 @@ def _(weight, main_grad, grad, mark, zero):
     return weight.new_empty(weight.shape if mark else (0,))
 
 
+
 class _MainGradHandoff(torch.autograd.Function):
     """Megatron's protocol for a weight gradient added straight into ``main_grad``, as its
     ``LinearWithGradAccumulationAndAsyncCommunication`` follows it: a node between the weight
@@ -93,6 +96,12 @@ class _MainGradHandoff(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.mark and torch.compiler.is_compiling():
+            # Compiled (and CUDA-graphed) backwards replay no Python side effect, so the weight
+            # cannot be marked: DDP is handed the gradient itself, zeros (AOTAutograd
+            # materialises the kernels' none) or another op's, and adds it into main_grad as
+            # for any unmarked weight. The kernels' own share is in main_grad already.
+            return (grad if grad is not None else torch.zeros_like(ctx.weight)), None, None, None
         placeholder = main_grad_handoff(ctx.weight, ctx.main_grad, grad, ctx.mark, ctx.zero)
         return (placeholder if ctx.mark else None), None, None, None
 
@@ -117,7 +126,11 @@ def shared_routes() -> Iterator[None]:
 def _routed(weight: torch.Tensor, main_grad: torch.Tensor) -> torch.Tensor:
     mark = hasattr(weight, "grad_added_to_main_grad")
     zero = bool(getattr(weight, "zero_out_wgrad", False))
-    routes = None if torch.compiler.is_compiling() else _ROUTES.get()
+    if torch.compiler.is_compiling():
+        # compiled with DDP's flags the backward hands DDP a gradient and needs no main_grad:
+        # left out of the node, so the graph sees it only where the kernels add into it
+        return _MainGradHandoff.apply(weight, None if mark else main_grad, mark, zero)
+    routes = _ROUTES.get()
     if routes is None:
         return _MainGradHandoff.apply(weight, main_grad, mark, zero)
     routed = routes.get(id(weight))  # the block holds the weight: its id is not reused there

@@ -254,9 +254,10 @@ def test_keywords_from_a_megatron_model_compile_whole(main_grad):
     Megatron DDP holds it (a float32 ``main_grad``, ``grad_added_to_main_grad = False``, DDP's
     hook asserting a ``.grad``): the weight's gradient added into ``main_grad`` in the op's
     backward (or, with a declared ``upstream_grad``, in the policy loss's forward), the weight
-    marked and DDP's hook run once per backward at run time, in two compiled runs as in the
-    eager ones (the compiled backward is traced once, so a side effect made only in Python
-    would happen in neither); whole graph, the eager values, hidden-state gradient and
+    marked (eager) and DDP's hook run once per backward, in two compiled runs as in the eager
+    ones: a compiled backward is traced once and replays no Python side effect, so there the
+    hand-off gives DDP a gradient to add instead of marking the weight (before, the weight got
+    no gradient at all); whole graph, the eager values, hidden-state gradient and
     ``main_grad``."""
     from ddp_like import ddp_like
 
@@ -303,8 +304,9 @@ def test_keywords_from_a_megatron_model_compile_whole(main_grad):
                 ddp.zero_grad_buffer()
             out = run(h)
             out.backward()
-            if ddp is not None:
-                assert ddp.calls == 1 and weight.grad_added_to_main_grad and weight.grad is None
+            if ddp is not None:  # DDP's hook once a backward; eager, the weight marked
+                assert ddp.calls == 1 and weight.grad is None
+                assert run is compiled or weight.grad_added_to_main_grad
             w_grad = weight.main_grad.clone() if main_grad else weight.grad.clone()
             results.append((out.detach(), h.grad, w_grad))
     finally:
@@ -337,10 +339,10 @@ def test_the_ops_outputs_that_carry_no_gradient_are_detached():
 @pytest.mark.parametrize("ddp", [False, True], ids=["user-main_grad", "ddp-flags"])
 def test_the_main_grad_hand_off_compiled_keeps_a_gradient_from_another_op(ddp, backend):
     """A subclass may use the routed weight (``kernel_inputs().weight``) in an op of its own
-    beside the kernels: that op's gradient goes into ``main_grad`` through the hand-off. Compiled,
-    the hand-off's write to ``main_grad`` is a declared mutation: ordered after the kernels' own
-    additions and never dropped as dead code (it was lost, 2w here, both ways). Inductor too:
-    it runs the op's Python side effects at run time."""
+    beside the kernels: that op's gradient goes into ``main_grad`` (with DDP's flags, compiled:
+    handed to DDP, which adds it). Without DDP the hand-off's write to ``main_grad`` is a
+    declared mutation: ordered after the kernels' own additions and never dropped as dead code
+    (it was lost, 2w here, both ways)."""
     import types
 
     from ddp_like import ddp_like
@@ -370,7 +372,7 @@ def test_the_main_grad_hand_off_compiled_keeps_a_gradient_from_another_op(ddp, b
             hook.zero_grad_buffer()
         compiled(x.clone()).backward()
         torch.testing.assert_close(weight.main_grad, ref.grad, rtol=1e-6, atol=1e-6)
-        assert weight.grad is None and (not ddp or (hook.calls == 1 and weight.grad_added_to_main_grad))
+        assert weight.grad is None and (not ddp or hook.calls == 1)
 
 
 @pytest.mark.parametrize("ddp", [False, True], ids=["user-main_grad", "ddp-flags"])

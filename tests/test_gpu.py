@@ -642,8 +642,9 @@ def _ddp_steps_worker(port: int, dist_opt: bool, compiled: bool, declared: bool,
 def test_megatron_ddp_training_steps_eager_and_compiled(dist_opt, compiled, declared):
     """Two training steps through Megatron's own DDP and optimizer (see the worker): every
     parameter's reduced gradient matches the stock path's in both steps (float32: another
-    summation order), and the output weight was marked by the hand-off at run time, compiled
-    too (before, a compiled backward never marked it, so DDP's hook never ran for it)."""
+    summation order), and the output weight was marked by the hand-off (eager) or handed DDP a
+    gradient to add (compiled: before, a compiled backward gave it no gradient at all, so DDP's
+    hook never ran for it)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -653,17 +654,17 @@ def test_megatron_ddp_training_steps_eager_and_compiled(dist_opt, compiled, decl
     errors, marked, tb = out.get(timeout=600)
     p.join(timeout=60)
     assert tb is None, tb
-    assert marked == [True, True]
+    assert marked == [not compiled] * 2  # eager marks the weight; compiled hands DDP a gradient
     for step in errors:
         assert max(step.values()) < 1e-4, step
 
 
-def test_main_grad_hand_off_under_cuda_graphs():
+def test_main_grad_under_cuda_graphs_is_refused_before_a_replay_can_lose_it():
     """``torch.compile(mode="reduce-overhead")`` records the compiled graph as a CUDA graph and
-    replays it: the hand-off's Python side effect (marking the weight for DDP) would run only
-    while recording, and DDP would then add the uninitialised placeholder into main_grad from
-    the third step on (max error 1). The op is tagged cudagraph_unsafe, so it stays outside the
-    recorded graph: five steps, each marked, main_grad the uncompiled gradient."""
+    replays it with its own copies of non-parameter inputs: the kernels' additions into
+    main_grad would land in the recording's copy (measured on an H100: main_grad 0 from the
+    recorded steps on), and a Python side effect (marking the weight) would not replay. The warm-up
+    step is exact; recording is refused in the forward, before anything is added."""
     import sys
     import types
 
@@ -690,12 +691,13 @@ def test_main_grad_hand_off_under_cuda_graphs():
 
     torch._dynamo.reset()
     compiled = torch.compile(body, mode="reduce-overhead", fullgraph=True)
-    for _ in range(5):
-        ddp.zero_grad_buffer()
-        compiled(x.clone().requires_grad_()).backward()
-        torch.cuda.synchronize()
-        assert weight.grad_added_to_main_grad and ddp.calls == 1
-        torch.testing.assert_close(weight.main_grad, ref.grad, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="under CUDA graphs"):
+        for _ in range(5):
+            ddp.zero_grad_buffer()
+            compiled(x.clone().requires_grad_()).backward()
+            torch.cuda.synchronize()
+            assert ddp.calls == 1 and weight.grad is None
+            torch.testing.assert_close(weight.main_grad, ref.grad, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- rollout parity and batch invariance

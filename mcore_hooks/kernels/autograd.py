@@ -109,12 +109,20 @@ def saved_tensor_hooks_active() -> bool:
 
 def check_accumulator_kept() -> None:
     """For an op handed the accumulator (Megatron's ``main_grad``) for its backward, as part of
-    a compiled graph: the graph saves the accumulator with its other saved tensors, so default
+    a compiled graph. Recorded as a CUDA graph, its replays would add into the recording's copy
+    of the accumulator: refused while recording. The graph saves the accumulator with its other
+    saved tensors, so default
     saved-tensor hooks that hand back a copy (``save_on_cpu``, activation offloading) would have
     the backward add into the copy, the weight's gradient lost. Refused before anything runs.
     An activation checkpoint's hooks hand back the tensor itself (or its recomputation, which
     for an input of the region is the input): allowed, and exact. Eager keeps the accumulator
     out of the saved tensors, exact under any hooks."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise ValueError(
+            "main_grad (gradient_accumulation_fusion) under CUDA graphs (torch.compile "
+            "mode='reduce-overhead'): a replay would add the weight's gradient into the "
+            "recording's own copy of main_grad; compile without CUDA graphs, or with "
+            "gradient_accumulation_fusion off")
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is not None and getattr(hooks[0], "__module__", None) != "torch.utils.checkpoint":
         raise ValueError(
@@ -499,8 +507,7 @@ def check_upstream_grad(grad: torch.Tensor, declared: float) -> None:
             raise RuntimeError(what + f"{float(grad)!r}: declare the value your loss function and "
                                "the schedule give it (megatron_upstream_grad), or leave it None")
         return
-    torch._assert_async(  # on the device: the value cannot be printed without a host sync
-        same,
-        what + "another (compare megatron_upstream_grad's value with what the loss function and "
-        "the schedule multiply the loss by)",
-    )
+    # on the device the value cannot be printed without a host sync (and CUDA takes < 255 chars)
+    torch._assert_async(
+        same, f"upstream_grad: the loss received a gradient other than the declared {declared!r}, "
+        "by which its weight gradient was added into main_grad; see megatron_upstream_grad")
