@@ -42,10 +42,12 @@ def _megatron_core_version() -> str:
 
 def _version() -> str:
     from . import __version__
+    from ._quiet import quiet_megatron
 
     try:
-        mcore = importlib.metadata.version("megatron-core")
-    except importlib.metadata.PackageNotFoundError:
+        with quiet_megatron():  # the import's notes, where there is no distribution to read
+            mcore = _megatron_core_version()
+    except ImportError:
         mcore = "not installed"
     return f"mcore-hooks {__version__} (Megatron Core {mcore})"
 
@@ -140,9 +142,10 @@ def verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[i
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
+    command = getattr(args, "subparser", parser)
     if unknown:  # reported by the command they were given to, with its usage
-        args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    status, report = verify(args, args.subparser)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    status, report = verify(args, command)
     try:
         print(report)
         sys.stdout.flush()

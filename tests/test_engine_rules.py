@@ -141,7 +141,7 @@ def test_the_vllm_rule_keeps_exactly_what_vllms_pytorch_code_keeps(seed):
     assert not overflow.any()
     # ties of the k-th value kept: rows wider than top_k, the all-equal row whole
     widths = keep.sum(1)
-    assert (widths > k.clamp(min=1)).any() and widths[6] == logits.shape[1]
+    assert widths[4] > 4 and widths[6] == logits.shape[1]  # 6 tied at the 4th value: wider; all equal
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -166,8 +166,9 @@ def test_the_engines_differ_where_their_code_does():
     keep, _, _ = _ours(flat, torch.tensor([3000]), torch.tensor([0.999]), torch.tensor([0.0]), "vllm")
     assert int(keep.sum()) == int(vllm_keep(flat, torch.tensor([3000]), torch.tensor([0.999]),
                                             torch.tensor([0.0])).sum()) == 2998
-    # top-k 2 then top-p 0.6: vLLM renormalises over the two kept (0.5 / 0.5: both stay), SGLang
-    # does not (0.4 + 0.4 of the whole: the second's mass before it, 0.4, is within 0.6)
+    # top-k 2 then top-p 0.45: vLLM renormalises over the two kept (0.5 / 0.5: the first alone
+    # reaches 0.45), SGLang does not (the second's mass before it, 0.4 of the whole, is within
+    # 0.45: both stay)
     probs = torch.tensor([[0.4, 0.4, 0.1, 0.1]]).log()
     v2, _, _ = _ours(probs, torch.tensor([2]), torch.tensor([0.45]), torch.tensor([0.0]), "vllm")
     s2, _, _ = _ours(probs, torch.tensor([2]), torch.tensor([0.45]), torch.tensor([0.0]), "sglang")
@@ -185,7 +186,7 @@ def test_ties_past_the_width_are_refused_or_nan_never_cut():
     x = torch.zeros(3, 4)  # all-equal rows: 40 tied logits
     w = torch.randn(40, 4)
     y = torch.tensor([1, 2, 3])
-    with debug_checks(True), pytest.raises(ValueError, match="tie with its 5-th largest .* Truncation.ties"):
+    with debug_checks(True), pytest.raises(ValueError, match="tied with its 5-th largest.* width 9; raise Truncation.ties"):
         linear_logprob_entropy(x, w, y, truncation=Truncation(top_k=5, ties=4))
     with debug_checks(False):
         r = linear_logprob_entropy(x, w, y, truncation=Truncation(top_k=5, ties=4))
@@ -209,22 +210,27 @@ def _data(seed=0, dtype=F32):
     return x, w, labels
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
+@pytest.mark.parametrize("none", [True, False], ids=["some-without-top-k", "narrow"])
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_per_token_options_through_the_kernels_match_float64_over_the_engines_set(engine):
+def test_per_token_options_through_the_kernels_match_float64_over_the_engines_set(engine, none, invariant):
     """Per-token top-k / top-p / min-p and temperatures, mixed in one call: the log-prob, entropy
     and gradients of the distribution renormalised over the engine's set (the label added where
-    the rule dropped it, and flagged), against float64."""
+    the rule dropped it, and flagged), against float64. With some tokens without top-k the
+    candidates are the whole vocabulary; narrow, the largest top-k (plus vLLM's room for ties)
+    only; batch-invariant, padded to aligned columns."""
     x, w, labels = _data(1)
     g = torch.Generator().manual_seed(2)
     k = torch.randint(1, 20, (N,), generator=g)
-    k[0], k[1] = 0, V + 3  # none
+    if none:
+        k[0], k[1] = 0, V + 3
     p = torch.rand(N, generator=g) * 0.5 + 0.5
     p[2] = 1.0
     min_p = torch.where(torch.rand(N, generator=g) > 0.5, 0.05, 0.0)
     temp = torch.linspace(0.6, 1.3, N)
     t = Truncation(top_k=k, top_p=p, min_p=min_p, engine=engine)
     xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-    r = linear_logprob_entropy(xg, wg, labels, truncation=t, temperature=temp)
+    r = linear_logprob_entropy(xg, wg, labels, truncation=t, temperature=temp, batch_invariant=invariant)
     (r.logprob.sum() - 0.3 * r.entropy.sum()).backward()
     # the engine's set on the kernels' own float32 logits (the rule is exact on them)
     logits = (x @ w.t()) * (1.0 / temp).unsqueeze(1)
@@ -360,3 +366,42 @@ def test_vllms_one_position_csr_is_a_row():
     assert sampling_mask_ids(one).tolist() == [[2, 5, 9]]
     many = SimpleNamespace(token_ids=np.array([9, 2, 5], dtype=np.int32), offsets=np.array([0, 1, 3]))
     assert sampling_mask_ids(many, width=3).tolist() == [[9, -1, -1], [2, 5, -1]]
+
+
+def test_a_width_that_cannot_hold_a_tokens_top_k_is_refused_or_nan_never_short():
+    """A device top-k with a ``max_top_k`` below some token's (or a token without top-k): that
+    token's set would be cut short; refused where checked, NaN otherwise, for both engines."""
+    x, w, labels = _data(8)
+    k = torch.full((N,), 3)
+    k[5] = 0  # none: the whole vocabulary, which a width of 3 (+ ties) cannot hold
+    for engine in ("vllm", "sglang"):
+        t = Truncation(top_k=k, max_top_k=3, ties=0, engine=engine)
+        with debug_checks(True), pytest.raises(ValueError, match="token 5: its top_k 48"):
+            linear_logprob_entropy(x, w, labels, truncation=t)
+        with debug_checks(False):
+            r = linear_logprob_entropy(x, w, labels, truncation=t)
+        assert torch.isnan(r.logprob[5]) and torch.isfinite(r.logprob[torch.arange(N) != 5]).all()
+
+
+def test_an_out_of_vocabulary_id_at_an_ignored_position_is_no_input():
+    """Padding ids at positions that do not count (ignored labels: a prompt) hold anything: they
+    neither raise nor make a gradient NaN."""
+    x, w, labels = _data(9)
+    ids = torch.stack([labels.clamp(min=0), (labels.clamp(min=0) + 1) % V], 1)
+    ids[3, 1] = V + 7  # token 3's label is -100
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with debug_checks(False):
+        r = linear_logprob_entropy(xg, wg, labels, kept_ids=ids)
+    r.logprob.sum().backward()
+    assert torch.isfinite(xg.grad).all() and torch.isfinite(wg.grad).all()
+
+
+def test_integer_per_request_options_in_a_processor():
+    """``[0, 0]`` is a min-p per request too: spread as floats, not refused at the call."""
+    s, b = 4, 2
+    layer = torch.nn.Linear(H, V, bias=False)
+    hidden = torch.randn(s, b, H)
+    labels = torch.randint(0, V, (b, s))
+    out = LogprobEntropyProcessor(kept_set=Truncation(top_k=[5, 6], top_p=[1, 1], min_p=[0, 0]))(
+        **hook_keywords(hidden, layer, labels=labels))
+    assert torch.isfinite(out["logprobs"]).all()

@@ -92,3 +92,51 @@ def test_backend_triton_is_refused_when_the_processor_is_built():
         pytest.skip("Triton can run here")
     with pytest.raises(ValueError, match="backend: 'triton' cannot run on this machine"):
         FusedLogprobProcessor(backend="triton")
+
+
+def test_loss_functions_of_any_signature_take_their_inputs():
+    """The inputs of a per-token function are read from its signature past logprob and entropy;
+    ``*args`` takes those two, ``**kwargs`` takes anything (a wrapper, a lambda)."""
+    from mcore_hooks.kernels import linear_policy_loss
+
+    g = torch.Generator().manual_seed(0)
+    n = 6
+    x, w = torch.randn(n, H, generator=g), torch.randn(V, H, generator=g)
+    y = torch.randint(0, V, (n,), generator=g)
+    inputs = {"old_logprobs": torch.zeros(n), "advantages": torch.ones(n)}
+
+    def wrapper(*a, **k):  # a decorator without functools.wraps
+        return -k["advantages"] * a[0]
+
+    def named(logprob, entropy, *, old_logprobs, advantages):
+        return -advantages * logprob
+
+    def kwargs_only(logprob, entropy, **inputs):
+        return -inputs["advantages"] * logprob
+
+    want = linear_policy_loss(x, w, y, token_weight=torch.ones(n), inputs=inputs, loss=named).loss
+    for fn in (wrapper, kwargs_only, lambda *a, **k: -k["advantages"] * a[0]):
+        got = linear_policy_loss(x, w, y, token_weight=torch.ones(n), inputs=inputs, loss=fn).loss
+        assert torch.equal(got, want)
+
+
+def test_a_policy_loss_subclass_may_take_an_input_of_its_own():
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Weighted(PolicyLoss):
+        @property
+        def input_names(self):
+            return super().input_names + ("weights",)
+
+        def __call__(self, logprob, entropy, *, weights, **inputs):
+            return super().__call__(logprob, entropy, **inputs) * weights
+
+    kw, labels = _keywords()
+    kw["context"] = _policy_context(labels, weights=torch.full((B, S), 2.0))
+    two = PolicyLossProcessor(loss=Weighted())(**kw)["loss"]
+    kw["context"] = _policy_context(labels)
+    one = PolicyLossProcessor()(**kw)["loss"]
+    torch.testing.assert_close(two, 2 * one)
+    with pytest.raises(ValueError, match="missing 'weights'"):
+        PolicyLossProcessor(loss=Weighted())(**kw)

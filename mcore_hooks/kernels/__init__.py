@@ -184,6 +184,7 @@ def linear_logprob_entropy(
             ids, outside, bad = _truncated(hidden, weight, p, truncation)
         else:
             ids, bad = _id_matrix("kept_ids", kept_ids, p.n, v_total, hidden.device)
+            bad = bad & p.valid  # an ignored position's padding, whatever it holds, is no input
             cand.check_kept_ids(ids, p.labels, p.valid, v_total)
             found, _ = cand.label_columns(ids, p.labels)
             outside = p.valid & ~found & (ids >= 0).any(dim=1)  # NaN there (refused where checked)
@@ -194,7 +195,7 @@ def linear_logprob_entropy(
         return LogprobEntropy(r.logprob, r.entropy, r.logz, r.label_is_argmax, label_outside=outside)
     if selected_ids is not None:
         ids, bad = _id_matrix("selected_ids", selected_ids, p.n, v_total, hidden.device)
-        return _selected(hidden, weight, _nan_where(p, bad), ids, with_label=labels is not None)
+        return _selected(hidden, weight, _nan_where(p, bad & p.valid), ids, with_label=labels is not None)
     logprob, entropy, logz, best = ops.stats(hidden, weight, p)
     if labels is None:
         return LogprobEntropy(None, entropy, logz)
@@ -264,8 +265,9 @@ def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
     if check_values(bad) and bool(bad.any()):
         i = int(bad.nonzero()[0])
         why = ("its top-k options are out of range" if bool(opts.bad[i]) else
-               f"more logits tie with its {int(opts.top_k[i])}-th largest than the kept set's width "
-               f"holds (vLLM's rule keeps every tie); raise Truncation.ties (now {t.ties})")
+               f"its top_k {int(opts.top_k[i])} (or the logits tied with its {int(opts.top_k[i])}-th "
+               f"largest, which vLLM's rule keeps) does not fit the kept set's width "
+               f"{values.shape[1]}; raise Truncation.ties (now {t.ties}) or max_top_k")
         raise ValueError(f"truncation: token {i}: {why}")
     kept, outside = cand.with_labels(kept, p.labels, p.valid)
     return kept, outside, bad
@@ -488,6 +490,7 @@ def linear_policy_loss(
                     f"kept set is empty (all -1): the mask is short or shifted against the labels "
                     f"({int(empty.sum())} token(s))")
             terms = torch.where(empty, torch.nan, terms)
+            r = r._replace(logprob=torch.where(empty, torch.nan, r.logprob))
         total = torch.where(counted, terms, 0.0).sum()  # weight 0: no term, even NaN
         return PolicyLossResult(total, r.logprob.detach(),
                                 r.entropy.detach() if fn.needs_entropy else torch.zeros_like(r.logprob),

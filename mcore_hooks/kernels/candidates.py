@@ -313,9 +313,11 @@ class Truncation:
         min_p: the minimum probability relative to the most likely token, in ``[0, 1]`` (0: off).
         engine: ``"vllm"`` or ``"sglang"``: whose rule.
         ties: with ``engine="vllm"``, room for logits tied with the ``k``-th beyond ``k`` (its
-            rule keeps them all; bf16-rounded logits tie often). A token whose ties do not fit
-            is refused where values are checked, else gives NaN.
-        max_top_k: the largest effective ``top_k`` when ``top_k`` is a device tensor.
+            rule keeps them all; bf16-rounded logits tie often; at least 1 is gathered, so a
+            tie past the set is seen). A token whose ties do not fit is refused where values
+            are checked, else gives NaN.
+        max_top_k: the largest effective ``top_k`` when ``top_k`` is a device tensor (the
+            vocabulary's size where some token has none).
     """
 
     top_k: Union[int, Sequence[int], torch.Tensor, None] = None
@@ -356,7 +358,10 @@ class Truncation:
         else:
             ks = [int(self.top_k)] if isinstance(self.top_k, int) else _int_list(self.top_k)
             k = max(v_total if kk <= 0 or kk > v_total else kk for kk in ks) if ks else 1
-        return max(1, min(v_total, k + self.ties))
+        # SGLang's rule keeps exactly k; vLLM's keeps ties, seen past the set by one more
+        # candidate at least (a k-th value equal to the last gathered one may tie beyond)
+        ties = max(1, self.ties) if self.engine == "vllm" else 0
+        return max(1, min(v_total, k + ties))
 
     def _per_token(self, n: int, device: torch.device, v_total: int) -> "TokenTruncation":
         """The options as ``[n]`` tensors on ``device`` (one value, or one per token), top-k
@@ -419,7 +424,8 @@ def _check_unit(name: str, v, lo_open: bool) -> None:
         if v.dim() != 1 or not v.dtype.is_floating_point:
             raise ValueError(f"{name}: expected a 1-D float tensor (one per request), got {v.dtype} of "
                              f"shape {tuple(v.shape)}")
-        if check_values(v) and not all(ok(float(x)) for x in v.tolist()):
+        inside = ((v > 0) if lo_open else (v >= 0)) & (v <= 1)  # NaN fails
+        if check_values(v) and not bool(inside.all()):
             raise ValueError(f"{name}: every value must be in {interval}")
         return
     if isinstance(v, (list, tuple)):
@@ -448,9 +454,13 @@ def truncate(values: torch.Tensor, ids: torch.Tensor, t: TokenTruncation, engine
     ``k``-th value that did not fit in ``Kc``."""
     vals, ids = _descending(values.float(), ids)
     n, kc = vals.shape
-    neg = torch.tensor(-math.inf, dtype=torch.float32, device=vals.device)
+    neg = -math.inf  # a Python scalar: no host-to-device copy
     col = torch.arange(kc, device=vals.device).unsqueeze(0)
     k = t.top_k.clamp(max=kc).unsqueeze(1)
+    # a token's top-k wider than the candidates gathered (a width given too small, or padding):
+    # its set would be cut; refused or NaN, never silently short
+    gathered = (ids >= 0).sum(dim=1)
+    short = (t.top_k > gathered) & (gathered < v_total)
     if engine == "vllm":
         # min-p on the scaled logits: l < l_max + log(min_p), in float32 (log(0) = -inf: off)
         vals = torch.where(vals < vals[:, :1] + torch.log(t.min_p).unsqueeze(1), neg, vals)
@@ -459,8 +469,8 @@ def truncate(values: torch.Tensor, ids: torch.Tensor, t: TokenTruncation, engine
         # the smallest candidate tied with the k-th, and more of the vocabulary than was gathered:
         # ties may lie beyond (padding, id -1, is not a candidate)
         smallest = torch.where(ids >= 0, vals, math.inf).amin(dim=1)
-        overflow = (t.top_k < v_total) & ((ids >= 0).sum(dim=1) < v_total) \
-            & (smallest >= kth.squeeze(1)) & torch.isfinite(kth.squeeze(1))
+        overflow = short | ((t.top_k < v_total) & (gathered < v_total)
+                            & (smallest >= kth.squeeze(1)) & torch.isfinite(kth.squeeze(1)))
         vals = torch.where(vals < kth, neg, vals)
         # top-p over the survivors' softmax, ascending: drop while the cumulative mass is
         # <= 1 - p (float32), never the largest
@@ -471,7 +481,7 @@ def truncate(values: torch.Tensor, ids: torch.Tensor, t: TokenTruncation, engine
         vals = torch.where(drop.flip(1), neg, vals)
         keep = torch.isfinite(vals)
     else:
-        overflow = torch.zeros(n, dtype=torch.bool, device=vals.device)
+        overflow = short
         # the full vocabulary's probabilities, sorted descending, and their float32 cumulative sum
         prob = torch.exp(vals - m.unsqueeze(1)) / torch.exp(log_s).unsqueeze(1)
         cum = torch.cumsum(prob, dim=1)

@@ -155,7 +155,8 @@ class PerTokenLoss:
         # for a plain function, by its signature fn(logprob, entropy, **inputs)
         if input_names is not None:
             self.required: Optional[tuple[str, ...]] = tuple(input_names)
-            self.accepted: Optional[tuple[str, ...]] = tuple(getattr(fn, "known_inputs", input_names))
+            known = tuple(getattr(fn, "known_inputs", ()))  # a subclass may add its own names
+            self.accepted: Optional[tuple[str, ...]] = tuple(dict.fromkeys(known + tuple(input_names)))
         else:
             self.required, self.accepted = _function_inputs(fn)
 
@@ -205,14 +206,22 @@ class _BoundPerTokenLoss:
 
 def _function_inputs(fn: Any) -> tuple[Optional[tuple[str, ...]], Optional[tuple[str, ...]]]:
     """``(required, accepted)`` input names of ``fn(logprob, entropy, **inputs)`` from its
-    signature (None: unknown, anything goes)."""
+    signature: the parameters past the two positional ones (a ``*args`` takes those); accepted
+    None (anything) with a ``**kwargs``, or where there is no signature to read."""
     try:
-        params = list(inspect.signature(fn).parameters.values())[2:]
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # no signature (a builtin): nothing to check
         return None, None
-    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    required = tuple(p.name for p in named if p.default is p.empty)
-    accepted = None if any(p.kind is p.VAR_KEYWORD for p in params) else tuple(p.name for p in named)
+    positional, inputs = 0, []
+    for p in params:
+        if p.kind is p.VAR_POSITIONAL:
+            positional = 2  # logprob and entropy land in *args
+        elif p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and positional < 2:
+            positional += 1
+        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            inputs.append(p)
+    required = tuple(p.name for p in inputs if p.default is p.empty)
+    accepted = None if any(p.kind is p.VAR_KEYWORD for p in params) else tuple(p.name for p in inputs)
     return required, accepted
 
 

@@ -87,8 +87,9 @@ def _per_token_truncation(t: Truncation, ctx: PostprocessContext, b: int, s: int
         value = getattr(t, name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return value
-        return per_request(f"kept_set.{name}", value, b, s, ctx.packed_seq_params, ctx.cp_size,
-                           ctx.hidden_states.device)
+        dtype = torch.long if name == "top_k" else torch.float32  # [0, 0] is a float option too
+        return per_request(f"kept_set.{name}", torch.as_tensor(value, dtype=dtype), b, s,
+                           ctx.packed_seq_params, ctx.cp_size, ctx.hidden_states.device)
 
     if all(isinstance(getattr(t, f), (int, float)) for f in ("top_k", "top_p", "min_p")):
         return t
@@ -216,12 +217,13 @@ class _FusedProcessor(PostprocessProcessor):
         """The hook's keywords in the kernels' form: ``[tokens, h]`` hidden states (s-major),
         flat labels, keyword arguments, the ``(b, s)`` to reshape per-token results to, and the
         ``[b, s]`` labels used (None without labels)."""
-        if self.kept_set is None and _has_key(ctx.context, "sampling_mask"):
+        if self.kept_set != "replay" and _has_key(ctx.context, "sampling_mask"):
+            over = ("the whole vocabulary" if self.kept_set is None
+                    else "the truncation it recomputes")
             raise ValueError(
-                "output_processor_context['sampling_mask']: given, but this processor's kept_set is "
-                "None, so its log-probs would be over the whole vocabulary rather than the "
-                "rollout's kept set; pass kept_set='replay' to renormalise over it (or leave the "
-                "mask out)")
+                f"output_processor_context['sampling_mask']: given, but this processor's kept_set is "
+                f"{self.kept_set!r}, so its log-probs would be over {over}, not the rollout's kept "
+                "set; pass kept_set='replay' to renormalise over the mask (or leave it out)")
         hidden, weight = ctx.output_layer_inputs()
         note = compat.output_layer_precision_note(ctx.config)
         if note is not None:
@@ -311,9 +313,8 @@ class _FusedProcessor(PostprocessProcessor):
                 f"output_processor_context['sampling_mask']: position ({i % b}, {i // b}) counts "
                 f"(loss_mask) but its kept set is empty (all -1): the mask is short or shifted "
                 f"against the labels ({int(empty.sum())} position(s))")
-        nan = torch.tensor(torch.nan, device=empty.device)
-        return result._replace(logprob=torch.where(empty, nan, result.logprob),
-                               entropy=torch.where(empty, nan, result.entropy))
+        return result._replace(logprob=torch.where(empty, torch.nan, result.logprob),
+                               entropy=torch.where(empty, torch.nan, result.entropy))
 
     def counted(self, ctx: PostprocessContext, k: "_KernelInputs") -> torch.Tensor:
         """Float32 per-token weights of the positions that count (s-major, like the kernel's
@@ -662,7 +663,7 @@ class PolicyLossProcessor(_FusedProcessor):
             inputs[name] = t.t().reshape(-1)  # s-major, like the kernel's tokens
         counts = (token_weight != 0) & (k.labels != self.ignore_index)
         for name, t in inputs.items():  # named as the caller passed them (the kernel says inputs[...])
-            if check_values(t) and not bool(torch.isfinite(t.to(counts.device)[counts]).all()):
+            if check_values(counts) and check_values(t) and not bool(torch.isfinite(t.to(counts.device)[counts]).all()):
                 raise ValueError(f"output_processor_context[{name!r}]: NaN or infinite values at "
                                  "positions that count (loss_mask and labels)")
         r = linear_policy_loss(k.hidden, k.weight, k.labels, token_weight=token_weight,
