@@ -1,5 +1,5 @@
 """Where the batch-invariant mode's cost goes, and which parts of the default path vary with the
-batch (one GPU; issue 32's measurements before the design).
+batch (one GPU; issue 32).
 
     python benchmarks/profile_invariant.py [--hidden 4096] [--vocab 151936] [--out DIR]
 
@@ -8,9 +8,12 @@ batch (one GPU; issue 32's measurements before the design).
 2. Kernels: a torch.profiler summary of one forward+backward of each mode at 1k and 16k tokens
    (CUDA time by kernel name), to see whether the mode's cost is padding, relaunches, the
    statistics kernel's grid or cuBLAS.
-3. Variance sources of the default path: the first 128 tokens' results in calls of 128 to 16384
-   tokens: the forward statistics (log-prob, entropy) and dX rows; and cuBLAS alone: the rows of
-   ``dz[M, Vc] @ W[Vc, H]`` (the backward's dX product) for several M, bitwise against M = 128.
+3. Variance sources of the default path: tokens 0-127 in calls of 1 to 65536 tokens, and tokens
+   5-6 called alone against the same tokens in those calls: the forward statistics (log-prob,
+   entropy) and dX rows; and cuBLAS alone: the rows of ``dz[M, Vc] @ W[Vc, H]`` (the backward's
+   dX product) for M = 1 to 16384, bitwise against M = 128.
+
+``--sections time,kernels,variance`` picks parts; ``--tag`` names the JSON file apart.
 """
 
 from __future__ import annotations
@@ -48,7 +51,11 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096, 16384, 65536])
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
+    ap.add_argument("--sections", default="time,kernels,variance",
+                    help="comma-separated: time, kernels, variance")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file's name")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
     h, v = args.hidden, args.vocab
     g = torch.Generator(device="cuda").manual_seed(0)
     nmax = max(args.tokens)
@@ -57,7 +64,7 @@ def main() -> None:
     y = torch.randint(0, v, (nmax,), device="cuda", generator=g)
     rows = []
     print("| tokens | fwd default / invariant ms | fwd+bwd default / invariant ms |\n|---|---|---|")
-    for n in args.tokens:
+    for n in (args.tokens if "time" in sections else ()):
         xs, ys = x[:n], y[:n]
         res = {}
         for inv in (False, True):
@@ -79,7 +86,7 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     print("\nKernels (CUDA ms, one forward+backward):")
-    for n in (1024, 16384):
+    for n in ((1024, 16384) if "kernels" in sections else ()):
         for inv in (False, True):
             xg, wg = x[:n].clone().requires_grad_(), w.clone().requires_grad_()
             for _ in range(2):  # warm (compilation, autotuning)
@@ -103,37 +110,54 @@ def main() -> None:
             rows.append(dict(profile=n, invariant=inv, kernels={k: t for k, (t, _) in table.items()}))
             del xg, wg
 
-    print("\nVariance of the default path (first 128 tokens against a call of 128):")
-    probe = 128
-    base = None
-    for n in (128, 1024, 4096, 16384):
-        xg = x[:n].clone().requires_grad_()
-        r = linear_logprob_entropy(xg, w, y[:n], backend="triton")
-        (r.logprob.sum() + 0.5 * r.entropy.sum()).backward()
-        got = (r.logprob[:probe].detach(), r.entropy[:probe].detach(), xg.grad[:probe])
-        if base is None:
-            base = got
-        same = [bool(torch.equal(a, b)) for a, b in zip(base, got)]
-        diff = [float((a.double() - b.double()).abs().max()) for a, b in zip(base, got)]
-        print(f"  {n} tokens: bitwise logprob/entropy/dX {same}, max diff {diff}")
-        rows.append(dict(variance=n, bitwise=same, max_diff=diff))
+    if "variance" in sections:
+        variance(x, w, y, h, g, rows)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"profile_invariant{args.tag}.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), hidden=h, vocab=v, rows=rows), f, indent=1)
 
-    print("\ncuBLAS dX rows (dz[M, Vc] @ W[Vc, H] into float32), first 128 rows against M = 128:")
+
+def variance(x, w, y, h, g, rows) -> None:
+    """Tokens 0-127 (and tokens 5-6 in a call starting at token 5) against the same tokens in
+    calls of other sizes: log-prob, entropy and dX rows of the default path, bitwise."""
+    print("\nVariance of the default path (tokens 0-127 against a call of 128; tokens 5-6 alone):")
+    probe = 128
+
+    def call(lo, hi):
+        xg = x[lo:hi].clone().requires_grad_()
+        r = linear_logprob_entropy(xg, w, y[lo:hi], backend="triton")
+        (r.logprob.sum() + 0.5 * r.entropy.sum()).backward()
+        return r.logprob.detach(), r.entropy.detach(), xg.grad
+
+    base = call(0, probe)
+    pair = call(5, 7)
+    for n in (1, 7, 129, 1000, 1024, 3000, 4096, 16384, 65536):
+        got = call(0, n)
+        k = min(n, probe)
+        same = [bool(torch.equal(a[:k], b[:k])) for a, b in zip(base, got)]
+        diff = [float((a[:k].double() - b[:k].double()).abs().max()) for a, b in zip(base, got)]
+        if n >= 7:
+            same.append(all(bool(torch.equal(a, b[5:7])) for a, b in zip(pair, got)))
+        print(f"  {n} tokens: bitwise logprob/entropy/dX {same[:3]}, tokens 5-6 as alone "
+              f"{same[3:]}, max diff {diff}")
+        rows.append(dict(variance=n, bitwise=same, max_diff=diff))
+        del got
+        torch.cuda.empty_cache()
+
+    print("\ncuBLAS dX rows (dz[M, Vc] @ W[Vc, H] into float32), first rows against M = 128:")
     vc = h
     dz = (torch.randn(16384, vc, device="cuda", generator=g) * 1e-3).bfloat16()
     wc = w[:vc]
     base = None
-    for m in (128, 256, 1024, 2048, 4096, 16384):
+    for m in (128, 1, 2, 7, 64, 256, 1000, 1024, 2048, 4096, 16384):
         acc = torch.zeros(m, h, device="cuda")
         addmm_f32_(acc, dz[:m], wc)
         if base is None:
-            base = acc[:probe].clone()
-        print(f"  M={m}: bitwise {bool(torch.equal(acc[:probe], base))}, max diff "
-              f"{float((acc[:probe] - base).abs().max()):.3e}")
-        rows.append(dict(cublas_m=m, bitwise=bool(torch.equal(acc[:probe], base))))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "profile_invariant.json"), "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), hidden=h, vocab=v, rows=rows), f, indent=1)
+            base = acc.clone()
+        k = min(m, probe)
+        print(f"  M={m}: bitwise {bool(torch.equal(acc[:k], base[:k]))}, max diff "
+              f"{float((acc[:k] - base[:k]).abs().max()):.3e}")
+        rows.append(dict(cublas_m=m, bitwise=bool(torch.equal(acc[:k], base[:k]))))
 
 
 if __name__ == "__main__":
