@@ -771,6 +771,35 @@ def test_rollout_paths_on_cuda_match_float64(backend):
         assert rel(xg.grad, xr.grad) < 3e-2 and rel(wg.grad, wr.grad) < 3e-2, case
 
 
+@pytest.mark.parametrize("given", ["none", "selected_ids", "kept_ids"])
+def test_default_triton_path_is_batch_invariant(given):
+    """The default Triton path, no mode asked for: a token's log-prob, entropy, selected or
+    kept-set log-probs (fixed vocabulary segments added in order) and dX row (a vocabulary chunk
+    fixed by H) are bitwise equal in calls of 1 to 16384 tokens, first in the call or last."""
+    from mcore_hooks.kernels import linear_logprob_entropy
+
+    x, w, y, ids, kept = _rollout_data(n=16384, hidden=256, vocab=32003)
+    extra = {"none": {}, "selected_ids": {"selected_ids": ids}, "kept_ids": {"kept_ids": kept}}[given]
+    probe = 7
+
+    def run(rows):
+        xg = x[rows].clone().requires_grad_()
+        r = linear_logprob_entropy(xg, w, y[rows], backend="triton",
+                                   **{k: t[rows] for k, t in extra.items()})
+        sel = r.selected.sum() if r.selected is not None else 0.0
+        (r.logprob.sum() + 0.5 * r.entropy.sum() + sel).backward()
+        return [r.logprob, r.entropy, xg.grad] + ([r.selected] if r.selected is not None else [])
+
+    alone = run(torch.arange(probe, device="cuda"))
+    for n in (probe + 1, 128, 1000, 4096, 16384):
+        first = run(torch.arange(n, device="cuda"))
+        last = run(torch.cat([torch.arange(probe, n, device="cuda"), torch.arange(probe, device="cuda")]))
+        for k, (a, b, c) in enumerate(zip(alone, first, last)):
+            assert torch.equal(a, b[:probe]) and torch.equal(a, c[-probe:]), (n, k)
+    one = run(torch.arange(1, device="cuda"))
+    assert all(torch.equal(a[:1], b) for a, b in zip(alone, one))
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_batch_invariance_on_cuda_is_bitwise(backend):
     """With batch_invariant=True the same tokens' log-probs, entropies, selected and kept-set

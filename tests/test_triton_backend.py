@@ -339,6 +339,35 @@ def test_triton_is_deterministic():
         assert torch.equal(p, q)
 
 
+def test_a_tokens_statistics_do_not_depend_on_the_call(monkeypatch):
+    """No mode asked for: a token's log-prob and entropy are the same bits alone, first in a call
+    or after others, across the statistics kernel's launches (one per ``_FWD_GROUP`` tokens)
+    and with programs walking several vocabulary segments. (dX rows: tests/test_gpu.py, where
+    cuBLAS forms them; a CPU BLAS may not.)"""
+    monkeypatch.setattr(triton_fused, "_FWD_GROUP", 128)
+    n, h, v = (3000, 256, 32003) if ON_GPU else (300, 32, 20 * 256 + 7)
+    tiles = triton_fused.TILES[0].fwd
+    assert triton_fused.vocab_segments(math.ceil(v / tiles.block_v))[1] > 4  # several a split
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=g).to(DEVICE, DTYPES[0])
+    w = (torch.randn(v, h, generator=g) / h**0.5).to(DEVICE, DTYPES[0])
+    labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    probe = torch.arange(5, 12, device=DEVICE)
+
+    def stats(rows):
+        with torch.no_grad():
+            r = linear_logprob_entropy(x[rows], w, labels[rows], backend="triton")
+        return r.logprob, r.entropy
+
+    alone = stats(probe)
+    everything = stats(torch.arange(n, device=DEVICE))
+    rest = torch.arange(n, device=DEVICE)
+    rest = rest[(rest < 5) | (rest >= 12)]
+    moved = stats(torch.cat([rest[:125], probe, rest[125:]]))  # across the launches' edge at 128
+    for a, b, c in zip(alone, everything, moved):
+        assert torch.equal(a, b[5:12]) and torch.equal(a, c[125:132])
+
+
 def test_backend_choice():
     x = torch.randn(4, 8, device=DEVICE)
     w = torch.randn(16, 8, device=DEVICE)
@@ -520,7 +549,7 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
     tiles = next(t for t in triton_fused.TILES if t.name == family)
     ptr = {"X": "*bf16", "W": "*bf16", "COEF": "*fp32"}
     fwd = dict(ptr, M="*fp32", S="*fp32", A="*fp32", N="i32", V="i32", H="i32", stride_x="i32",
-               stride_w="i32", tiles_per_split="i32", splits="i32")
+               stride_w="i32", stride_p="i32", seg_tiles="i32", segments="i32", segs_per_split="i32", splits="i32")
     bwd = dict(ptr, LABEL="*i64", M="*fp32", LOGS="*fp32", ENT="*fp32", G1="*fp32", G2="*fp32",
                DZ="*bf16", N="i32", V="i32", H="i32", v0="i32", Vc="i32", stride_x="i32",
                stride_w="i32", stride_dz="i32")

@@ -1,14 +1,20 @@
 """Triton backend: the two passes of :mod:`.autograd` with the logits fused into the matmul.
 
-Forward (``local_stats``): one kernel, grid (token blocks x vocab splits). Each program computes a
-``[BLOCK_N, BLOCK_V]`` logits tile with ``tl.dot`` over the hidden size (fp32 accumulators), scales
-it by ``coef = logit_scale / temperature`` and folds it into running per-row max / sum-exp /
-entropy term held in registers; logits never reach memory. The label's logit is one fp32 dot per
-token in a separate small kernel, which keeps the tiles' epilogue short. The per-split partials
-(``[splits, N]``, a few MiB) are merged in PyTorch. Any vocabulary size: tiles past the end are
-masked, no divisibility is assumed.
+Forward (``local_stats``): one kernel launch per 2048 tokens, grid (token blocks x vocab splits).
+Each program computes a ``[BLOCK_N, BLOCK_V]`` logits tile with ``tl.dot`` over the hidden size
+(fp32 accumulators), scales it by ``coef = logit_scale / temperature`` and folds it into running
+per-row max / sum-exp / entropy term held in registers; logits never reach memory. The label's
+logit is one fp32 dot per token in a separate small kernel, which keeps the tiles' epilogue short.
+The vocabulary is cut into fixed segments (:func:`vocab_segments`, from its size alone); a program
+walks whole segments and stores each one's statistics (``[segments, N]``, 384 bytes a token), which
+a small kernel adds in segment order. So a token's statistics are the same bits whatever the number
+of tokens, which only sets how many segments a program walks. Any vocabulary size: tiles past the
+end are masked, no divisibility is assumed.
 
-Backward (``grads``): the vocabulary is walked in chunks of ``Vc`` rows. A kernel recomputes the
+Backward (``grads``): the vocabulary is walked in chunks of ``Vc`` rows (with dX: H in whole
+tiles, from H alone, so dX's sum over the chunks does not follow the number of tokens; cuBLAS
+forms a row of ``dz @ W[chunk]`` the same for any number of rows in what was measured, not by
+contract: ``benchmarks/profile_invariant.py``). A kernel recomputes the
 ``[N, Vc]`` logits tile by tile and writes their gradient ``dz`` (in the input dtype) once; cuBLAS
 then forms ``dW[chunk] = dz.T @ X`` in one call (a single rounding, K = N) and accumulates
 ``dX += dz @ W[chunk]`` into a float32 buffer. With ``Vc <= H``, ``dz`` is kept in the bf16 dX
@@ -32,7 +38,7 @@ from typing import Any, Optional
 
 import torch
 
-from .autograd import Backend, LocalStats, merge_partials
+from .autograd import Backend, LocalStats
 from .matmul import addmm_f32_
 
 try:  # Triton is optional; the torch backend needs none of this.
@@ -146,6 +152,17 @@ _ROW_BLOCK = 4096
 # Fewest vocab splits of the forward grid: 4 measured fastest with TMA loads (32.9 ms, against
 # 35.1 at 8; benchmarks/profile_h200_tma.log).
 _MIN_SPLITS = 4
+# Segments the statistics kernel cuts the vocabulary into (the last may be shorter): each
+# token's statistics are formed per segment and added in segment order, so they do not depend
+# on the number of tokens (which only sets how many segments one program walks). Enough
+# segments to fill the GPU at 1024 tokens; their [3, segments, N] float32 statistics are
+# 384 bytes a token at 32.
+_SEGMENTS = 32
+# Tokens per launch of the statistics kernel (16 row blocks of 128: with the splits that fill
+# an H100/H200 once, one wave).
+_FWD_GROUP = 2048
+# Tokens per program of the segments' merge.
+_MERGE_BLOCK = 512
 # The given ids' gradient kernels: [rows, ids] per program (small: they touch N x K entries).
 _GIVEN_ROWS, _GIVEN_COLS = 32, 32
 # Weight rows a program of the gathered dot products reads ([16, 256] float32 products).
@@ -188,7 +205,7 @@ if triton is not None:
     @triton.jit
     def _stats_fwd_kernel(
         X, W, COEF, M, S, A,
-        N, V, H, stride_x, stride_w, tiles_per_split, splits,
+        N, V, H, stride_x, stride_w, stride_p, seg_tiles, segments, segs_per_split, splits,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         USE_TMA: tl.constexpr,
     ):
@@ -201,17 +218,23 @@ if triton is not None:
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         coef = tl.load(COEF + rows, mask=rmask, other=1.0)
+        vtiles = tl.cdiv(V, BLOCK_V)
+        # A split walks whole segments and stores each one's statistics apart (segment i of
+        # token r at i * stride_p + r): a token's arithmetic is fixed by the segments (the
+        # vocabulary's), never by the split. One loop over the tiles, as without segments.
+        t0 = pid_s * segs_per_split * seg_tiles
         # Finite start: (m_old - m_new) * s stays 0, never -inf * 0, before the first tile.
         m = tl.full([BLOCK_N], -1e30, dtype=tl.float32)
         s = tl.zeros([BLOCK_N], dtype=tl.float32)
         a = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for vt in range(0, tiles_per_split):
-            col0 = (pid_s * tiles_per_split + vt) * BLOCK_V
+        for j in range(0, segs_per_split * seg_tiles):
+            vt = t0 + j
+            col0 = vt * BLOCK_V
             cols = col0 + tl.arange(0, BLOCK_V)
             cmask = cols < V
             # Columns past the vocabulary get -1e30: exp underflows to 0 and e * d is -0, so no
-            # per-element masking is needed (each split's first tile has a real column, so m is
-            # finite and real before any all-padding tile).
+            # per-element masking is needed (each segment's first tile has a real column, so m
+            # is finite and real before any all-padding tile).
             bias = tl.where(cmask, 0.0, -1e30)
             l = _logits_tile(X, W, rows, cols, rmask, cmask, pid_n * BLOCK_N, col0, H,
                              stride_x, stride_w, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K,
@@ -223,10 +246,40 @@ if triton is not None:
             a = alpha * (a + (m - m_new) * s) + tl.sum(e * d, axis=1)
             s = alpha * s + tl.sum(e, axis=1)
             m = m_new
-        out = pid_s * N + rows
-        tl.store(M + out, m, mask=rmask)
-        tl.store(S + out, s, mask=rmask)
-        tl.store(A + out, a, mask=rmask)
+            # A segment's last tile: store, start the next segment afresh (selects, not a
+            # branch; tiles past the vocabulary's end, in the last split, store nothing).
+            last = (((vt + 1) % seg_tiles == 0) | (vt + 1 == vtiles)) & (vt < vtiles)
+            out = (vt // seg_tiles) * stride_p + rows
+            smask = rmask & (tl.zeros([BLOCK_N], dtype=tl.int32) + last.to(tl.int32) != 0)
+            tl.store(M + out, m, mask=smask)
+            tl.store(S + out, s, mask=smask)
+            tl.store(A + out, a, mask=smask)
+            m = tl.where(last, -1e30, m)
+            s = tl.where(last, 0.0, s)
+            a = tl.where(last, 0.0, a)
+
+    @triton.jit
+    def _merge_segments_kernel(M, S, A, OM, OS, OA, N, segments, BLOCK: tl.constexpr):
+        """The segments' statistics of each token, added in segment order (a fixed order,
+        whatever the number of tokens: a reduction's order in PyTorch may follow the shape)."""
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        m = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
+        for i in range(0, segments):
+            m = tl.maximum(m, tl.load(M + i * N + cols, mask=mask, other=0.0))
+        s = tl.zeros([BLOCK], dtype=tl.float32)
+        a = tl.zeros([BLOCK], dtype=tl.float32)
+        for i in range(0, segments):
+            mi = tl.load(M + i * N + cols, mask=mask, other=0.0)
+            si = tl.load(S + i * N + cols, mask=mask, other=0.0)
+            ai = tl.load(A + i * N + cols, mask=mask, other=0.0)
+            shift = mi - m
+            alpha = tl.exp(shift)
+            s += si * alpha
+            a += (ai + shift * si) * alpha
+        tl.store(OM + cols, m, mask=mask)
+        tl.store(OS + cols, s, mask=mask)
+        tl.store(OA + cols, a, mask=mask)
 
     @triton.jit
     def _target_logit_kernel(X, W, COEF, LABEL, T, H, stride_x, stride_w, BLOCK_H: tl.constexpr):
@@ -406,11 +459,18 @@ if triton is not None:
             tl.store(out + cols, (dl * coef).to(DZ.dtype.element_ty), mask=mask)
 
 
+def vocab_segments(vtiles: int) -> tuple[int, int]:
+    """(tiles per segment, segments) of a vocabulary of ``vtiles`` tiles: about
+    :data:`_SEGMENTS`, every one starting at a tile with a real column."""
+    seg_tiles = math.ceil(vtiles / min(vtiles, _SEGMENTS))
+    return seg_tiles, math.ceil(vtiles / seg_tiles)
+
+
 def forward_splits(row_blocks: int, vtiles: int, sms: int) -> int:
-    """Vocab splits of the statistics kernel's grid (``row_blocks x splits`` programs, one per
-    SM at a time, each walking ``vtiles / splits`` vocab tiles). Its time goes as waves x tiles
-    per program: the fewest splits within 2% of the least of that, and at least
-    :data:`_MIN_SPLITS` (programs running together then share row blocks and walk the same
+    """Vocab splits of the statistics kernel's grid (``row_blocks x splits`` programs, one per SM
+    at a time, each walking ``vtiles / splits`` vocab units: the kernel's segments, or tiles). Its
+    time goes as waves x units per program: the fewest splits within 2% of the least of that, and
+    at least :data:`_MIN_SPLITS` (programs running together then share row blocks and walk the same
     weight tiles). A rule of two programs per SM left a last wave of a few programs at 2048-4096
     tokens: 4096 x 4096 x 151936 took 9.38 ms with it, 7.75 with this (H200,
     ``benchmarks/profile_kernels.py --splits``)."""
@@ -474,25 +534,34 @@ class TritonFused(Backend):
         n, h = x.shape
         v = weight.shape[0]
         tile = self.tiles.fwd
-        row_blocks = triton.cdiv(n, tile.block_n)
-        vtiles = triton.cdiv(v, tile.block_v)
-        # Each split walks a contiguous vocab range (forward_splits: as few as fill the SMs).
-        want = forward_splits(row_blocks, vtiles, _num_sms(x.device.index or 0))
-        tiles_per_split = triton.cdiv(vtiles, min(vtiles, want))
-        splits = triton.cdiv(vtiles, tiles_per_split)
+        seg_tiles, segments = vocab_segments(triton.cdiv(v, tile.block_v))
         x, weight = x.contiguous(), weight.contiguous()
         coef, local_label = coef.contiguous(), local_label.contiguous()
-        parts = torch.empty((3, splits, n), dtype=torch.float32, device=x.device)
-        xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
-        _stats_fwd_kernel[(row_blocks * splits,)](
-            xa, wa, coef, parts[0], parts[1], parts[2],
-            n, v, h, x.stride(0), weight.stride(0), tiles_per_split, splits,
-            EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch(),
-        )
-        target = torch.empty((1, n), dtype=torch.float32, device=x.device)
-        _target_logit_kernel[(n,)](x, weight, coef, local_label, target, h, x.stride(0),
+        parts = torch.empty((3, segments, n), dtype=torch.float32, device=x.device)
+        sms = _num_sms(x.device.index or 0)
+        # One launch per _FWD_GROUP tokens: its programs fill the GPU once and walk the weight
+        # together. One launch over all the tokens, with its many waves, took 185-236 ms at
+        # 65536 x 4096 x 151936 on an H100 with segments, against 132 ms this way
+        # (benchmarks/RESULTS.md).
+        for r0 in range(0, n, _FWD_GROUP):
+            rn = min(_FWD_GROUP, n - r0)
+            row_blocks = triton.cdiv(rn, tile.block_n)
+            want = forward_splits(row_blocks, segments, sms)
+            segs_per_split = triton.cdiv(segments, min(segments, want))
+            splits = triton.cdiv(segments, segs_per_split)
+            xa, wa, tma = _operands(x[r0 : r0 + rn], weight, tile, self.tiles.tma)
+            _stats_fwd_kernel[(row_blocks * splits,)](
+                xa, wa, coef[r0:], parts[0, :, r0:], parts[1, :, r0:], parts[2, :, r0:],
+                rn, v, h, x.stride(0), weight.stride(0), n, seg_tiles, segments, segs_per_split,
+                splits, EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch(),
+            )
+        stats = torch.empty((4, n), dtype=torch.float32, device=x.device)
+        _merge_segments_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
+            parts[0], parts[1], parts[2], stats[0], stats[1], stats[2], n, segments,
+            BLOCK=_MERGE_BLOCK, num_warps=4)
+        _target_logit_kernel[(n,)](x, weight, coef, local_label, stats[3], h, x.stride(0),
                                    weight.stride(0), BLOCK_H=1024, num_warps=4)
-        return merge_partials(LocalStats(parts[0], parts[1], parts[2], target))
+        return LocalStats(*stats)
 
     @staticmethod
     def gathered_dots(x, weight, rows):
@@ -524,12 +593,14 @@ class TritonFused(Backend):
         tile = self.tiles.bwd
         bv = tile.block_v
         x, weight = x.contiguous(), weight.contiguous()
-        vc = max(bv, (_BWD_CHUNK_BYTES // (max(n, 1) * x.element_size())) // bv * bv)
-        if dw_accumulator is not None and need_x and h >= bv:
-            vc = min(vc, h // bv * bv)  # bounded memory: the chunk stays inside dX's output
-        in_dx = need_x and h // bv * bv >= vc
-        if in_dx:  # the gradient chunk lives in dX's own (not yet written) output: no extra memory
-            vc = h // bv * bv
+        if need_x:
+            # dX's float32 sum over the chunks is a token's own reduction: the chunk width comes
+            # from H alone, never from the number of tokens. It is the most the dX output can
+            # hold, so the gradient chunk lives in that (not yet written) output: no extra memory.
+            vc = max(bv, h // bv * bv)
+        else:  # dW only, a sum over tokens: chunks as wide as the memory bound allows
+            vc = max(bv, (_BWD_CHUNK_BYTES // (max(n, 1) * x.element_size())) // bv * bv)
+        in_dx = need_x and h >= bv
         vc = min(vc, triton.cdiv(v, bv) * bv)
         dx_out = torch.empty((n, h), dtype=x.dtype, device=x.device) if need_x else None
         if in_dx:
