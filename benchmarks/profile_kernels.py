@@ -283,7 +283,10 @@ def _ce_parts(x, w, label, c, flop, ceiling) -> None:
 
 def compare_splits(shapes) -> None:
     """The forward grid's vocab splits, :func:`forward_splits` against the rule it replaced
-    (the fewest splits giving two programs per SM), at RL micro-batch sizes and the full shape."""
+    (the fewest splits giving two programs per SM), at RL micro-batch sizes and the full shape.
+    Written for one launch over the whole call: since the kernel launches per ``_FWD_GROUP``
+    tokens over vocabulary segments, the split counts it prints are the whole call's, not a
+    launch's (the timings still run the kernel as it is)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ceiling = 2 * 8192**3 / bench(lambda: a @ a) / 1e9
     print(f"bf16 matmul ceiling {ceiling:.0f} TF/s")

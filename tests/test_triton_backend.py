@@ -341,13 +341,13 @@ def test_triton_is_deterministic():
 
 def test_a_tokens_statistics_do_not_depend_on_the_call(monkeypatch):
     """No mode asked for: a token's log-prob and entropy are the same bits alone, first in a call
-    or after others, across the statistics kernel's launches (one per ``_FWD_GROUP`` tokens)
-    and with programs walking several vocabulary segments. (dX rows: tests/test_gpu.py, where
-    cuBLAS forms them; a CPU BLAS may not.)"""
+    or after others, across the statistics kernel's launches (one per ``_FWD_GROUP`` tokens),
+    and however many segments of several tiles one program walks (the number of tokens sets
+    that). (dX rows: tests/test_gpu.py, where cuBLAS forms them; a CPU BLAS may not.)"""
     monkeypatch.setattr(triton_fused, "_FWD_GROUP", 128)
-    n, h, v = (3000, 256, 32003) if ON_GPU else (300, 32, 20 * 256 + 7)
-    tiles = triton_fused.TILES[0].fwd
-    assert triton_fused.vocab_segments(math.ceil(v / tiles.block_v))[1] > 4  # several a split
+    n, h, v = (3000, 256, 32003) if ON_GPU else (300, 32, 40 * 256 + 7)
+    seg_tiles, segments = triton_fused.vocab_segments(math.ceil(v / triton_fused.TILES[0].fwd.block_v))
+    assert seg_tiles > 1 and segments > 4
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, h, generator=g).to(DEVICE, DTYPES[0])
     w = (torch.randn(v, h, generator=g) / h**0.5).to(DEVICE, DTYPES[0])
@@ -366,6 +366,9 @@ def test_a_tokens_statistics_do_not_depend_on_the_call(monkeypatch):
     moved = stats(torch.cat([rest[:125], probe, rest[125:]]))  # across the launches' edge at 128
     for a, b, c in zip(alone, everything, moved):
         assert torch.equal(a, b[5:12]) and torch.equal(a, c[125:132])
+    for splits in (1, 3, segments):  # 1 to all segments a program, a short last split
+        monkeypatch.setattr(triton_fused, "forward_splits", lambda *_, s=splits: s)
+        assert all(torch.equal(a, b) for a, b in zip(alone, stats(probe)))
 
 
 def test_backend_choice():

@@ -150,7 +150,8 @@ _MAIN_GRAD_BYTES = 192 << 20
 # Elements per step of the cross-entropy row passes (8 warps, 16 fp32 per thread).
 _ROW_BLOCK = 4096
 # Fewest vocab splits of the forward grid: 4 measured fastest with TMA loads (32.9 ms, against
-# 35.1 at 8; benchmarks/profile_h200_tma.log).
+# 35.1 at 8; benchmarks/profile_h200_tma.log; measured on one launch over the whole call, before
+# the launches of _FWD_GROUP tokens).
 _MIN_SPLITS = 4
 # Segments the statistics kernel cuts the vocabulary into (the last may be shorter): each
 # token's statistics are formed per segment and added in segment order, so they do not depend
@@ -473,7 +474,8 @@ def forward_splits(row_blocks: int, vtiles: int, sms: int) -> int:
     at least :data:`_MIN_SPLITS` (programs running together then share row blocks and walk the same
     weight tiles). A rule of two programs per SM left a last wave of a few programs at 2048-4096
     tokens: 4096 x 4096 x 151936 took 9.38 ms with it, 7.75 with this (H200,
-    ``benchmarks/profile_kernels.py --splits``)."""
+    ``benchmarks/profile_kernels.py --splits``, on one launch over the whole call, before the
+    launches of ``_FWD_GROUP`` tokens)."""
     top = max(_MIN_SPLITS, 2 * math.ceil(2 * sms / row_blocks))
 
     def cost(s: int) -> int:
