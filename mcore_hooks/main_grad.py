@@ -75,7 +75,6 @@ def _(weight, main_grad, grad, mark, zero):
     return weight.new_empty(weight.shape if mark else (0,))
 
 
-
 class _MainGradHandoff(torch.autograd.Function):
     """Megatron's protocol for a weight gradient added straight into ``main_grad``, as its
     ``LinearWithGradAccumulationAndAsyncCommunication`` follows it: a node between the weight

@@ -183,8 +183,7 @@ def linear_logprob_entropy(
         if truncation is not None:
             ids, outside, bad = _truncated(hidden, weight, p, truncation)
         else:
-            ids, bad = _id_matrix("kept_ids", kept_ids, p.n, v_total, hidden.device)
-            bad = bad & p.valid  # an ignored position's padding, whatever it holds, is no input
+            ids, bad = _id_matrix("kept_ids", kept_ids, p.n, v_total, hidden.device, p.valid)
             cand.check_kept_ids(ids, p.labels, p.valid, v_total)
             found, _ = cand.label_columns(ids, p.labels)
             outside = p.valid & ~found & (ids >= 0).any(dim=1)  # NaN there (refused where checked)
@@ -194,8 +193,8 @@ def linear_logprob_entropy(
         r = cand.kept_stats(ops.logits_of(hidden, weight, ids, p), ids, p.labels, p.valid)
         return LogprobEntropy(r.logprob, r.entropy, r.logz, r.label_is_argmax, label_outside=outside)
     if selected_ids is not None:
-        ids, bad = _id_matrix("selected_ids", selected_ids, p.n, v_total, hidden.device)
-        return _selected(hidden, weight, _nan_where(p, bad & p.valid), ids, with_label=labels is not None)
+        ids, bad = _id_matrix("selected_ids", selected_ids, p.n, v_total, hidden.device, p.valid)
+        return _selected(hidden, weight, _nan_where(p, bad), ids, with_label=labels is not None)
     logprob, entropy, logz, best = ops.stats(hidden, weight, p)
     if labels is None:
         return LogprobEntropy(None, entropy, logz)
@@ -221,11 +220,13 @@ def _no_tokens(hidden: torch.Tensor, weight: torch.Tensor, with_labels: bool,
                           none if with_labels else None, selected, none if kept else None)
 
 
-def _id_matrix(name: str, ids: Any, n: int, v_total: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _id_matrix(name: str, ids: Any, n: int, v_total: int, device: torch.device,
+               valid: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``([N, K] long ids on device, [N] bool: tokens with an id outside the vocabulary)``:
     checked, an integer matrix of one row per token; ids in the vocabulary or -1 where values
     are checked (an error), else such a token is flagged (its results are made NaN: no rank
-    owns the id, which would otherwise count as a logit of 0)."""
+    owns the id, which would otherwise count as a logit of 0). Only ``valid`` tokens are
+    flagged: an ignored position's row, whatever it holds, is no input."""
     if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex \
             or ids.dtype == torch.bool:
         raise TypeError(f"{name}: expected an integer tensor, got {getattr(ids, 'dtype', type(ids).__name__)}")
@@ -235,7 +236,8 @@ def _id_matrix(name: str, ids: Any, n: int, v_total: int, device: torch.device) 
     bad = (ids < -1) | (ids >= v_total)
     if check_values(ids) and bool(bad.any()):
         raise ValueError(f"{name}: ids must be in [0, {v_total}) or -1 (padding), got {int(ids[bad][0])}")
-    return ids, bad.any(dim=1)
+    bad = bad.any(dim=1)
+    return ids, bad if valid is None else bad & valid
 
 
 def _nan_where(p: KernelParams, bad: torch.Tensor) -> KernelParams:

@@ -111,9 +111,8 @@ def check_accumulator_kept() -> None:
     """For an op handed the accumulator (Megatron's ``main_grad``) for its backward, as part of
     a compiled graph. Recorded as a CUDA graph, its replays would add into the recording's copy
     of the accumulator: refused while recording. The graph saves the accumulator with its other
-    saved tensors, so default
-    saved-tensor hooks that hand back a copy (``save_on_cpu``, activation offloading) would have
-    the backward add into the copy, the weight's gradient lost. Refused before anything runs.
+    saved tensors, so default saved-tensor hooks that hand back a copy (``save_on_cpu``,
+    activation offloading) would have the backward add into the copy, the weight's gradient lost. Refused before anything runs.
     An activation checkpoint's hooks hand back the tensor itself (or its recomputation, which
     for an input of the region is the input): allowed, and exact. Eager keeps the accumulator
     out of the saved tensors, exact under any hooks."""
@@ -381,13 +380,6 @@ def rescaled(stats: LocalStats, new_max: torch.Tensor) -> tuple[torch.Tensor, to
     shift = stats.max - new_max
     alpha = torch.exp(shift)
     return stats.sumexp * alpha, (stats.plogp + shift * stats.sumexp) * alpha
-
-
-def merge_partials(parts: LocalStats) -> LocalStats:
-    """Statistics stacked over disjoint vocab ranges (dim 0) -> statistics of their union."""
-    m = parts.max.amax(dim=0)
-    s, a = rescaled(parts, m)
-    return LocalStats(m, s.sum(dim=0), a.sum(dim=0), parts.target.sum(dim=0))
 
 
 class GlobalStats(NamedTuple):

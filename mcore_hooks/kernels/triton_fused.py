@@ -251,6 +251,7 @@ if triton is not None:
             # branch; tiles past the vocabulary's end, in the last split, store nothing).
             last = (((vt + 1) % seg_tiles == 0) | (vt + 1 == vtiles)) & (vt < vtiles)
             out = (vt // seg_tiles) * stride_p + rows
+            # the flag as a vector (Triton's interpreter refuses a scalar in a store's mask)
             smask = rmask & (tl.zeros([BLOCK_N], dtype=tl.int32) + last.to(tl.int32) != 0)
             tl.store(M + out, m, mask=smask)
             tl.store(S + out, s, mask=smask)

@@ -663,7 +663,8 @@ class PolicyLossProcessor(_FusedProcessor):
             inputs[name] = t.t().reshape(-1)  # s-major, like the kernel's tokens
         counts = (token_weight != 0) & (k.labels != self.ignore_index)
         for name, t in inputs.items():  # named as the caller passed them (the kernel says inputs[...])
-            if check_values(counts) and check_values(t) and not bool(torch.isfinite(t.to(counts.device)[counts]).all()):
+            if (check_values(counts) and check_values(t)
+                    and not bool(torch.isfinite(t.to(counts.device)[counts]).all())):
                 raise ValueError(f"output_processor_context[{name!r}]: NaN or infinite values at "
                                  "positions that count (loss_mask and labels)")
         r = linear_policy_loss(k.hidden, k.weight, k.labels, token_weight=token_weight,
