@@ -800,6 +800,53 @@ def test_default_triton_path_is_batch_invariant(given):
     assert all(torch.equal(a[:1], b) for a, b in zip(alone, one))
 
 
+def test_processors_through_the_hook_are_batch_invariant_by_default():
+    """The README's claim through the public path: the hook's keywords from a bf16 tiny
+    GPTModel's forward of 40 samples (a 32000-token vocabulary: 32 segments of several tiles),
+    handed to the bundled log-prob processors (default options, Triton chosen) whole and sliced
+    to fewer samples: each sample's log-probs, entropies and hidden-state gradient are the same
+    bits alone, first, or last in the batch."""
+    from mcore_hooks import hooked_class
+    from mcore_hooks.processors import FusedLogprobProcessor, LogprobEntropyProcessor
+    from mcore_hooks.testing import (TinyModelConfig, build_tiny_model, model_parallel,
+                                     stock_model_class, tiny_batch)
+
+    with model_parallel(tp=1):
+        cfg = TinyModelConfig(tied=False, params_dtype=torch.bfloat16, vocab_size=32000)
+        model = build_tiny_model(cfg, model_cls=hooked_class(stock_model_class("gpt"))).cuda()
+        batch = {k: v.cuda() if torch.is_tensor(v) else v
+                 for k, v in tiny_batch(cfg, packed=False, batch_size=40).items()}
+        seen = {}
+
+        def grab(**kwargs):
+            seen.update(kwargs)
+            return FusedLogprobProcessor()(**kwargs)
+
+        model(**batch, output_processor=grab)
+        hidden = seen["hidden_states"].detach()
+
+        def run(processor, samples):
+            kw = dict(seen)
+            h = hidden[:, samples].clone().requires_grad_()
+            kw["hidden_states"] = h
+            for key in ("labels", "loss_mask", "input_ids", "position_ids", "attention_mask"):
+                if torch.is_tensor(kw.get(key)):
+                    kw[key] = kw[key][samples]
+            if torch.is_tensor(kw.get("decoder_input")):
+                kw["decoder_input"] = kw["decoder_input"][:, samples]
+            out = processor(**kw)
+            parts = [out["logprobs"], out["entropy"]] if isinstance(out, dict) else [out]
+            sum(p.float().sum() for p in parts).backward()
+            return [p.detach() for p in parts] + [h.grad.transpose(0, 1)]  # per sample first
+
+        for processor in (LogprobEntropyProcessor(), FusedLogprobProcessor()):
+            whole = run(processor, slice(0, 40))
+            for i, part in ((0, slice(0, 1)), (0, slice(0, 7)), (39, slice(39, 40)), (6, slice(0, 7))):
+                got = run(processor, part)
+                j = i - part.start
+                assert all(torch.equal(a[i], b[j]) for a, b in zip(whole, got)), (type(processor), i, part)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_batch_invariance_on_cuda_is_bitwise(backend):
     """With batch_invariant=True the same tokens' log-probs, entropies, selected and kept-set
