@@ -13,6 +13,13 @@ batch (one GPU; issue 32).
    entropy) and dX rows; and cuBLAS alone: the rows of ``dz[M, Vc] @ W[Vc, H]`` (the backward's
    dX product) for M = 1 to 16384, bitwise against M = 128.
 
+4. The fused losses (``fused``): tokens 0-127's log-probs and dX rows from ``linear_policy_loss``
+   and ``linear_cross_entropy`` in calls of 1 to 16384 tokens against a call of 128; and cuBLAS
+   alone at their shapes: the rows of the logits ``x[M, H] @ W.T`` and of dX over the whole
+   vocabulary ``dz[M, V] @ W`` into float32, for M = 1 to 8192, bitwise against M = 128.
+5. ``policytime``: the fused policy loss (GRPO, dW formed), default and invariant mode,
+   forward+backward.
+
 ``--sections time,kernels,variance`` picks parts; ``--tag`` names the JSON file apart.
 """
 
@@ -26,8 +33,8 @@ import os
 import torch
 import triton.testing
 
-from mcore_hooks.kernels import linear_logprob_entropy
-from mcore_hooks.kernels.matmul import addmm_f32_
+from mcore_hooks.kernels import linear_cross_entropy, linear_logprob_entropy, linear_policy_loss
+from mcore_hooks.kernels.matmul import addmm_f32_, mm_f32
 
 
 def median_ms(fn, reps: int = 10) -> float:
@@ -112,6 +119,10 @@ def main() -> None:
 
     if "variance" in sections:
         variance(x, w, y, h, g, rows)
+    if "fused" in sections:
+        fused_variance(x, w, y, g, rows)
+    if "policytime" in sections:
+        policy_time(x, w, y, args.tokens, rows)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"profile_invariant{args.tag}.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), hidden=h, vocab=v, rows=rows), f, indent=1)
@@ -158,6 +169,79 @@ def variance(x, w, y, h, g, rows) -> None:
         print(f"  M={m}: bitwise {bool(torch.equal(acc[:k], base[:k]))}, max diff "
               f"{float((acc[:k] - base[:k]).abs().max()):.3e}")
         rows.append(dict(cublas_m=m, bitwise=bool(torch.equal(acc[:k], base[:k]))))
+
+
+def _policy(x, w, y, lo, hi, inv=False, ce=False):
+    xg = x[lo:hi].clone().requires_grad_()
+    n = hi - lo
+    gen = torch.Generator(device="cuda").manual_seed(1)  # the same inputs for a token whatever n
+    old = -torch.rand(x.shape[0], device="cuda", generator=gen)[lo:hi] * 3
+    adv = torch.randn(x.shape[0], device="cuda", generator=gen)[lo:hi]
+    tw = torch.full((n,), 1.0 / 4096, device="cuda")
+    if ce:
+        loss = linear_cross_entropy(xg, w, y[lo:hi], backend="triton", batch_invariant=inv)
+        lp = None
+    else:
+        r = linear_policy_loss(xg, w, y[lo:hi], token_weight=tw, backend="triton",
+                               inputs={"old_logprobs": old, "advantages": adv},
+                               batch_invariant=inv)
+        loss, lp = r.loss, r.logprob
+    loss.backward()
+    return lp, xg.grad
+
+
+def fused_variance(x, w, y, g, rows) -> None:
+    probe = 128
+    for ce in (False, True):
+        name = "linear_cross_entropy" if ce else "linear_policy_loss"
+        print(f"\nVariance of {name}'s default path (tokens 0-127 against a call of 128):")
+        base = _policy(x, w, y, 0, probe, ce=ce)
+        pair = _policy(x, w, y, 5, 7, ce=ce)
+        for n in (1, 7, 129, 1000, 1024, 2048, 3000, 4096, 16384):
+            got = _policy(x, w, y, 0, n, ce=ce)
+            k = min(n, probe)
+            same = [a is None or bool(torch.equal(a[:k], b[:k])) for a, b in zip(base, got)]
+            if n >= 7:
+                same.append(all(a is None or bool(torch.equal(a, b[5:7])) for a, b in zip(pair, got)))
+            print(f"  {n} tokens: bitwise logprob/dX {same[:2]}, tokens 5-6 as alone {same[2:]}")
+            rows.append(dict(fused=name, tokens=n, bitwise=same))
+            del got
+            torch.cuda.empty_cache()
+    v, h = w.shape
+    for what in ("logits x[M, H] @ W.T", "dX dz[M, V] @ W"):
+        print(f"\ncuBLAS {what} into float32, rows 0-127 against M = 128:")
+        if what.startswith("dX"):
+            a = (torch.randn(8192, v, device="cuda", generator=g) * 1e-3).bfloat16()
+            b = w
+        else:
+            a, b = x[:8192], w.t()
+        base = None
+        for m in (128, 1, 2, 7, 64, 256, 1000, 1024, 2048, 3000, 4096, 8192):
+            out = mm_f32(a[:m], b)
+            if base is None:
+                base = out.clone()
+            k = min(m, probe)
+            same = bool(torch.equal(out[:k], base[:k]))
+            print(f"  M={m}: bitwise {same}, max diff {float((out[:k] - base[:k]).abs().max()):.3e}")
+            rows.append(dict(cublas=what, m=m, bitwise=same))
+            del out
+        del a
+        torch.cuda.empty_cache()
+
+
+def policy_time(x, w, y, tokens, rows) -> None:
+    print("\n| tokens | fused policy loss fwd+bwd default / invariant ms |\n|---|---|")
+    wg = w.detach().clone().requires_grad_()  # dW formed, as in training
+
+    def step(n, inv):
+        _policy(x, wg, y, 0, n, inv=inv)
+        wg.grad = None
+
+    for n in tokens:
+        t = [median_ms(lambda: step(n, inv), reps=5) for inv in (False, True)]
+        print(f"| {n} | {t[0]:.2f} / {t[1]:.2f} |")
+        rows.append(dict(policy_tokens=n, default=t[0], invariant=t[1]))
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
