@@ -25,7 +25,8 @@ def bench(fn) -> float:
 def backend(bn: int, bv: int, bk: int, nw: int, ns: int, tma: bool = True) -> tf.TritonFused:
     """The Triton backend with these tiles for both kernels (a sweep's candidate)."""
     tile = tf.Tile(bn, bv, bk, nw, ns)
-    return tf.TritonFused(tf.Tiles(f"{bn}x{bv}x{bk}/{nw}w/{ns}s", (0, 0), tile, tile, tma))
+    return tf.TritonFused(tf.Tiles(f"{bn}x{bv}x{bk}/{nw}w/{ns}s", (0, 0), fwd=tile, bwd=tile,
+                                   dx=tf.TILES[0].dx, tma=tma))
 
 
 DEFAULT = tf.TritonFused(tf.TILES[0])

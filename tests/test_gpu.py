@@ -800,14 +800,51 @@ def test_default_triton_path_is_batch_invariant(given):
     assert all(torch.equal(a[:1], b) for a, b in zip(alone, one))
 
 
+@pytest.mark.parametrize("loss", ["cross_entropy", "policy_loss"])
+def test_default_fused_losses_are_batch_invariant(loss):
+    """The fused losses' default path (Triton, gradients formed in the forward, chunks sized from
+    the call): a token's log-prob, entropy and dX row are bitwise equal in calls of 1 to 16384
+    tokens, first in the call or last. Their dX is ``hidden_grad``'s kernel (each row summed in
+    one order); their logits come from cuBLAS, whose rows were measured the same for any number
+    of rows at these products (K = H), not promised."""
+    from mcore_hooks.kernels import PolicyLoss, linear_cross_entropy, linear_policy_loss
+
+    x, w, y, _, _ = _rollout_data(n=16384, hidden=1024, vocab=32003)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    old = -3 * torch.rand(x.shape[0], device="cuda", generator=g)
+    adv = torch.randn(x.shape[0], device="cuda", generator=g)
+    probe = 7
+
+    def run(rows):
+        xg = x[rows].clone().requires_grad_()
+        wg = w.clone().requires_grad_()  # dW formed too: the chunks' products as in training
+        if loss == "cross_entropy":
+            linear_cross_entropy(xg, wg, y[rows], backend="triton").backward()
+            return [xg.grad]
+        r = linear_policy_loss(xg, wg, y[rows], token_weight=torch.full((len(rows),), 1e-3, device="cuda"),
+                               loss=PolicyLoss(entropy_coef=0.01), backend="triton",
+                               inputs={"old_logprobs": old[rows], "advantages": adv[rows]})
+        r.loss.backward()
+        return [r.logprob, r.entropy, xg.grad]
+
+    alone = run(torch.arange(probe, device="cuda"))
+    for n in (probe + 1, 128, 1000, 4096, 16384):
+        first = run(torch.arange(n, device="cuda"))
+        last = run(torch.cat([torch.arange(probe, n, device="cuda"), torch.arange(probe, device="cuda")]))
+        for k, (a, b, c) in enumerate(zip(alone, first, last)):
+            assert torch.equal(a, b[:probe]) and torch.equal(a, c[-probe:]), (n, k)
+
+
 def test_processors_through_the_hook_are_batch_invariant_by_default():
     """The README's claim through the public path: the hook's keywords from a bf16 tiny
     GPTModel's forward of 40 samples (a 32000-token vocabulary: 32 segments of several tiles),
-    handed to the bundled log-prob processors (default options, Triton chosen) whole and sliced
-    to fewer samples: each sample's log-probs, entropies and hidden-state gradient are the same
-    bits alone, first, or last in the batch."""
+    handed to the bundled log-prob processors and the fused policy loss (default options,
+    Triton chosen; the loss summed over tokens, so no token's weight follows the batch) whole
+    and sliced to fewer samples: each sample's log-probs, entropies and hidden-state gradient
+    are the same bits alone, first, or last in the batch."""
     from mcore_hooks import hooked_class
-    from mcore_hooks.processors import FusedLogprobProcessor, LogprobEntropyProcessor
+    from mcore_hooks.kernels import PolicyLoss
+    from mcore_hooks.processors import FusedLogprobProcessor, LogprobEntropyProcessor, PolicyLossProcessor
     from mcore_hooks.testing import (TinyModelConfig, build_tiny_model, model_parallel,
                                      stock_model_class, tiny_batch)
 
@@ -834,12 +871,22 @@ def test_processors_through_the_hook_are_batch_invariant_by_default():
                     kw[key] = kw[key][samples]
             if torch.is_tensor(kw.get("decoder_input")):
                 kw["decoder_input"] = kw["decoder_input"][:, samples]
+            if isinstance(processor, PolicyLossProcessor):
+                kw["context"] = {k: t[samples] for k, t in context.items()}  # forward's output_processor_context
             out = processor(**kw)
             parts = [out["logprobs"], out["entropy"]] if isinstance(out, dict) else [out]
-            sum(p.float().sum() for p in parts).backward()
+            if isinstance(processor, PolicyLossProcessor):  # a sum: no token's weight follows the batch
+                out["loss"].backward()
+            else:
+                sum(p.float().sum() for p in parts).backward()
             return [p.detach() for p in parts] + [h.grad.transpose(0, 1)]  # per sample first
 
-        for processor in (LogprobEntropyProcessor(), FusedLogprobProcessor()):
+        g = torch.Generator(device="cuda").manual_seed(3)
+        shape = batch["labels"].shape
+        context = {"old_logprobs": -3 * torch.rand(shape, device="cuda", generator=g),
+                   "advantages": torch.randn(shape, device="cuda", generator=g)}
+        for processor in (LogprobEntropyProcessor(), FusedLogprobProcessor(),
+                          PolicyLossProcessor(loss=PolicyLoss(entropy_coef=0.01), aggregation="token-sum")):
             whole = run(processor, slice(0, 40))
             for i, part in ((0, slice(0, 1)), (0, slice(0, 7)), (39, slice(39, 40)), (6, slice(0, 7))):
                 got = run(processor, part)

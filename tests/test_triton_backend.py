@@ -371,6 +371,36 @@ def test_a_tokens_statistics_do_not_depend_on_the_call(monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(alone, stats(probe)))
 
 
+@pytest.mark.parametrize("v", [301, 320])  # a masked vocabulary tail; whole steps (sm_90: boxes)
+@pytest.mark.parametrize("family", [t.name for t in triton_fused.TILES])
+def test_the_fused_losses_products_do_not_depend_on_the_call(family, v):
+    """The fused losses' logits ``x @ W.T`` and ``dX = dz @ W`` (every family's tiles): a row is
+    the same bits alone, first, or after others across a row block's edge, in calls of 7 to n
+    rows (several row and column blocks), and within float32 summation's bound of float64."""
+    backend = triton_fused.TritonFused(next(t for t in triton_fused.TILES if t.name == family))
+    n, h = (3000, 520) if ON_GPU else (300, 264)
+    g = torch.Generator().manual_seed(v)
+    dz = (torch.randn(n, v, generator=g) * 1e-2).to(DEVICE, DTYPES[0])
+    x = torch.randn(n, h, generator=g).to(DEVICE, DTYPES[0])
+    w = (torch.randn(v, h, generator=g) / h**0.5).to(DEVICE, DTYPES[0])
+    probe = torch.arange(5, 12, device=DEVICE)
+    rest = torch.arange(n, device=DEVICE)
+    rest = rest[(rest < 5) | (rest >= 12)]
+    for a, b, product in ((dz, w, backend.hidden_grad), (x, w.t(), backend.logits)):
+        def rows(r):  # the backend takes the weight [V, H] either way
+            out = torch.empty((len(r), b.shape[1]), dtype=torch.float32, device=DEVICE)
+            return product(a[r], w, out)
+
+        alone, whole = rows(probe), rows(torch.arange(n, device=DEVICE))
+        moved = rows(torch.cat([rest[:125], probe, rest[125:]]))  # rows 125-131: across 128
+        assert torch.equal(alone, whole[5:12]) and torch.equal(alone, moved[125:132])
+        # Each entry sums products of 16-bit numbers (exact in float32) in float32: within
+        # gamma_K ~ K * 2^-24 of the sum of the terms' magnitudes (Higham, first order).
+        ref = a.double() @ b.double()
+        bound = a.shape[1] * 2.0**-24 * (a.double().abs() @ b.double().abs())
+        assert ((whole.double() - ref).abs() <= bound).all()
+
+
 def test_backend_choice():
     x = torch.randn(4, 8, device=DEVICE)
     w = torch.randn(16, 8, device=DEVICE)
@@ -556,10 +586,17 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
     bwd = dict(ptr, LABEL="*i64", M="*fp32", LOGS="*fp32", ENT="*fp32", G1="*fp32", G2="*fp32",
                DZ="*bf16", N="i32", V="i32", H="i32", v0="i32", Vc="i32", stride_x="i32",
                stride_w="i32", stride_dz="i32")
+    logits = dict(X="*bf16", W="*bf16", Z="*fp32", N="i32", V="i32", H="i32", stride_x="i32",
+                  stride_w="i32", stride_z="i32")
+    dx = dict(DZ="*bf16", W="*bf16", DX="*fp32", N="i32", H="i32", V="i32", stride_dz="i32",
+              stride_w="i32", stride_dx="i32")
     flags = dict(EVEN_K=True, USE_TMA=False)
     return [
         _compiled_shared_memory(triton_fused._stats_fwd_kernel, fwd, flags, capability, tiles.fwd),
         _compiled_shared_memory(triton_fused._dlogits_kernel, bwd, flags, capability, tiles.bwd),
+        _compiled_shared_memory(triton_fused._logits_kernel, logits, flags, capability, tiles.fwd),
+        _compiled_shared_memory(triton_fused._hidden_grad_kernel, dx,
+                                dict(flags, GROUP=triton_fused._DX_GROUP), capability, tiles.dx),
     ]
 
 

@@ -234,6 +234,17 @@ class Backend:
     ) -> LocalStats:
         raise NotImplementedError
 
+    # The fused losses' two products whose sums are a token's own (over H, over the
+    # vocabulary): a backend whose kernels sum each row in one order whatever the number of
+    # rows (batch invariance) overrides them; cuBLAS does not promise it.
+    def logits(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = x @ weight.T`` into float32 ``out``."""
+        return mm_f32(x, weight.t(), out=out)
+
+    def hidden_grad(self, dz: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out = dz @ weight`` into float32 ``out`` (dX, summed over the vocabulary)."""
+        return mm_f32(dz, weight, out=out)
+
     def row_grad(
         self, z: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor, m: torch.Tensor,
         log_s: torch.Tensor, g_logprob: torch.Tensor, g_entropy: Optional[torch.Tensor],
@@ -248,10 +259,10 @@ class Backend:
         token_loss: TokenLoss, need_x: bool, need_w: bool, dw_sum: Optional[torch.Tensor] = None,
     ) -> FusedLoss:
         """``sum_i f_i`` of a :class:`TokenLoss` and its gradients, in token chunks: each half
-        chunk's fp32 logits are made (cuBLAS), reduced to statistics (combined over the TP
-        group), turned into the loss terms and their logit gradient; then dX and dW take the
-        chunk's gradient (3 matmuls in all, 6NHV). ``dw_sum``: a float32 buffer dW is added
-        into (and returned) instead of a new one."""
+        chunk's fp32 logits are made (``logits``), reduced to statistics (combined over the TP
+        group), turned into the loss terms and their logit gradient; then dX (``hidden_grad``)
+        and dW (cuBLAS: a sum over tokens) take the chunk's gradient (3 matmuls in all, 6NHV).
+        ``dw_sum``: a float32 buffer dW is added into (and returned) instead of a new one."""
         n, v_local = x.shape[0], weight.shape[0]
         f32 = dict(dtype=torch.float32, device=x.device)
         with_entropy = bool(token_loss.needs_entropy)
@@ -277,7 +288,7 @@ class Backend:
                 s1 = min(s0 + cz, end)
                 rows, zc = slice(s0, s1), z[: s1 - s0]
                 coef, label, valid = p.coef[rows], local_label[rows], p.valid[rows]
-                mm_f32(x[rows], weight.t(), out=zc)
+                self.logits(x[rows], weight, zc)
                 st = combine(self.row_stats(zc, coef, label, with_entropy), p.group,
                              p.batch_invariant)
                 lp = torch.where(valid, st.logprob(), 0.0)
@@ -298,7 +309,7 @@ class Backend:
                 continue
             xc, dzc = x[start:end], dz[: end - start]
             if need_x:
-                mm_f32(dzc, weight, out=dx[start:end])
+                self.hidden_grad(dzc, weight, dx[start:end])
             if need_w and into is not None:
                 addmm_f32_(into, dzc.t(), xc, alpha=p.upstream_grad)
             elif need_w:

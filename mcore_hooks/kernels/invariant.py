@@ -2,9 +2,9 @@
 
 A GEMM library picks its algorithm (tiles, split-K) by shape, so the same token's logits can be
 summed in another order when the call holds more or fewer tokens (up to 1.9e-6 in a log-prob,
-measured on an H200 between 7 and 16384 tokens, before the Triton statistics kernel's fixed
-vocabulary segments made its own path invariant: this mode is for the paths that are not, the
-fused losses, the torch backend and sums over more than two ranks). :class:`InvariantBlocks` gives every kernel and cuBLAS call the same
+measured on an H200 between 7 and 16384 tokens, before the Triton backend's kernels made its
+own paths invariant: this mode is for what is not, the torch backend and sums over more than two
+ranks). :class:`InvariantBlocks` gives every kernel and cuBLAS call the same
 shapes whatever the call: the tokens are cut into blocks of :data:`BLOCK`, each copied into a
 fresh ``[BLOCK, H]`` buffer (the last padded with zero rows that count for nothing: label none,
 no gradient), and the backend runs on each. Within a block no row's arithmetic depends on

@@ -21,6 +21,13 @@ then forms ``dW[chunk] = dz.T @ X`` in one call (a single rounding, K = N) and a
 output, which is written only at the end: the backward's only extra memory is the fp32 dX
 accumulator. No atomics: results are deterministic.
 
+The fused losses (:meth:`~.autograd.Backend.fused_loss`: gradients formed in the forward, token
+chunks sized from the call) take two products from here: the chunk's float32 logits
+(``_logits_kernel``, the statistics kernel's tile loop) and dX ``dz @ W`` summed over the
+vocabulary (``_hidden_grad_kernel``). Each sums a row in one order whatever the number of rows,
+where cuBLAS split dX's sum for fewer rows (and, at some shapes, the logits' sum over H), so a
+token's results there do not depend on the call either. dW, a sum over tokens, stays with cuBLAS.
+
 Tile shapes depend on the GPU: :data:`TILES` holds one set per family (sm_90, sm_80, sm_86/89),
 chosen by compute capability and the per-block shared memory the device offers
 (:func:`device_tiles`); where none fits, or below compute capability 8.0, ``backend="auto"`` takes
@@ -77,17 +84,20 @@ class Tile:
 
 @dataclasses.dataclass(frozen=True)
 class Tiles:
-    """The forward (statistics) and logit-gradient kernels' tiles for one GPU family, and whether
-    operands load through tensor descriptors (the bulk copy engine, compute capability 9.0+)."""
+    """The forward (statistics), logit-gradient and hidden-gradient kernels' tiles for one GPU
+    family, and whether operands load through tensor descriptors (the bulk copy engine, compute
+    capability 9.0+). ``dx`` (the fused losses' ``dz @ W``): ``block_n`` tokens by ``block_v``
+    hidden columns of output, ``block_k`` vocabulary rows a step."""
 
     name: str
     min_capability: tuple[int, int]
     fwd: Tile
     bwd: Tile
+    dx: Tile
     tma: bool
 
     def shared_memory(self) -> int:
-        return max(self.fwd.shared_memory(), self.bwd.shared_memory())
+        return max(self.fwd.shared_memory(), self.bwd.shared_memory(), self.dx.shared_memory())
 
 
 # Largest first; a device takes the first its compute capability and per-block shared memory
@@ -95,10 +105,15 @@ class Tiles:
 # amortise the softmax epilogue; 8 warps drive Hopper's wgmma): 144 KiB, which also fits
 # sm_100's 227 KiB. sm_80 (A100, 163 KiB) keeps the wide tile with a shorter K step; sm_86 /
 # sm_89 / sm_120 (99-100 KiB) take 128 x 128. Older GPUs have no bf16 tensor cores: torch backend.
+# The hidden gradient's sm_90 tile ran level with cuBLAS on an H100 (1024-4096 tokens, H 4096 and
+X
 TILES: tuple[Tiles, ...] = (
-    Tiles("sm_90", (9, 0), Tile(128, 256, 64, 8, 3), Tile(128, 256, 64, 8, 3), tma=True),
-    Tiles("sm_80", (8, 0), Tile(128, 256, 32, 8, 4), Tile(128, 256, 32, 8, 4), tma=False),
-    Tiles("sm_86", (8, 0), Tile(128, 128, 32, 8, 4), Tile(128, 128, 32, 8, 4), tma=False),
+    Tiles("sm_90", (9, 0), fwd=Tile(128, 256, 64, 8, 3), bwd=Tile(128, 256, 64, 8, 3),
+          dx=Tile(128, 256, 64, 8, 3), tma=True),
+    Tiles("sm_80", (8, 0), fwd=Tile(128, 256, 32, 8, 4), bwd=Tile(128, 256, 32, 8, 4),
+          dx=Tile(128, 256, 32, 8, 4), tma=False),
+    Tiles("sm_86", (8, 0), fwd=Tile(128, 128, 32, 8, 4), bwd=Tile(128, 128, 32, 8, 4),
+          dx=Tile(128, 128, 32, 8, 4), tma=False),
 )
 
 
@@ -166,6 +181,8 @@ _FWD_GROUP = 2048
 _MERGE_BLOCK = 512
 # The given ids' gradient kernels: [rows, ids] per program (small: they touch N x K entries).
 _GIVEN_ROWS, _GIVEN_COLS = 32, 32
+# Row blocks of the hidden gradient's programs that walk the vocabulary together.
+_DX_GROUP = 8
 # Weight rows a program of the gathered dot products reads ([16, 256] float32 products).
 _DOT_ROWS = 16
 # Tensor descriptors (Hopper's bulk copy engine) instead of pointer loads, where the tiles allow:
@@ -345,6 +362,73 @@ if triton is not None:
         ptr = DZ + rows[:, None].to(tl.int64) * stride_dz + cols_local[None, :]
         tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
+    # The fused losses' logits: fp32 Z = X @ W.T ([N, H] x [V, H]) with the statistics kernel's
+    # tile loop, so a logit's sum over H runs in one order whatever N (cuBLAS's did not for
+    # every shape: benchmarks/RESULTS.md). Vocabulary tile slowest: the row blocks of a chunk
+    # (its X stays in L2) run together over each weight tile, read from memory once.
+    @triton.jit
+    def _logits_kernel(
+        X, W, Z, N, V, H, stride_x, stride_w, stride_z,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+        USE_TMA: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        row_blocks = tl.cdiv(N, BLOCK_N)
+        pid_n = pid % row_blocks
+        pid_v = pid // row_blocks
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        rmask, cmask = rows < N, cols < V
+        z = _logits_tile(X, W, rows, cols, rmask, cmask, pid_n * BLOCK_N, pid_v * BLOCK_V, H,
+                         stride_x, stride_w, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, USE_TMA)
+        tl.store(Z + rows[:, None].to(tl.int64) * stride_z + cols[None, :], z,
+                 mask=rmask[:, None] & cmask[None, :])
+
+    # The fused losses' dX = dz @ W ([N, V] @ [V, H]) into float32: a row's sum over the
+    # vocabulary runs tile after tile in one order, whatever N. cuBLAS splits that sum (split-K)
+    # for fewer rows: a token's dX row then changed with the call's size (H100, measured;
+    # benchmarks/profile_invariant.py --sections fused).
+    @triton.jit
+    def _hidden_grad_kernel(
+        DZ, W, DX, N, H, V, stride_dz, stride_w, stride_dx,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+        USE_TMA: tl.constexpr, GROUP: tl.constexpr,
+    ):
+        # GROUP row blocks walk the vocabulary together: their dz and W tiles are read from L2
+        pid = tl.program_id(0)
+        row_blocks = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP * tl.cdiv(H, BLOCK_V)
+        first = pid // per_group * GROUP
+        size = tl.minimum(row_blocks - first, GROUP)
+        pid_n = first + pid % per_group % size
+        pid_h = pid % per_group // size
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_h * BLOCK_V + tl.arange(0, BLOCK_V)
+        rmask, cmask = rows < N, cols < H
+        acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+        if USE_TMA:  # the copy engine zero-fills out-of-bounds rows, columns and K tails
+            for k in range(0, tl.cdiv(V, BLOCK_K)):
+                a = DZ.load([pid_n * BLOCK_N, k * BLOCK_K])
+                b = W.load([k * BLOCK_K, pid_h * BLOCK_V])
+                acc = tl.dot(a, b, acc)
+        else:
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptr = DZ + rows[:, None].to(tl.int64) * stride_dz + offs_k[None, :]
+            b_ptr = W + offs_k[:, None].to(tl.int64) * stride_w + cols[None, :]
+            for k in range(0, tl.cdiv(V, BLOCK_K)):
+                if EVEN_K:
+                    a = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
+                    b = tl.load(b_ptr, mask=cmask[None, :], other=0.0)
+                else:
+                    kmask = offs_k < V - k * BLOCK_K
+                    a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
+                acc = tl.dot(a, b, acc)
+                a_ptr += BLOCK_K
+                b_ptr += BLOCK_K * stride_w.to(tl.int64)
+        tl.store(DX + rows[:, None].to(tl.int64) * stride_dx + cols[None, :], acc,
+                 mask=rmask[:, None] & cmask[None, :])
+
 
     # Given ids' columns of the logit gradient (``selected_ids``: their logits' gradients g).
     # The tiles leave them out: a K-wide compare over every tile cost a third of the backward,
@@ -515,6 +599,27 @@ def _operands(x: torch.Tensor, weight: torch.Tensor, tile: Tile, tma: bool) -> t
     )
 
 
+def _product_operands(dz: torch.Tensor, weight: torch.Tensor, tile: Tile, tma: bool) -> tuple[Any, Any, bool]:
+    """:func:`_operands` for ``dz @ W``: ``dz`` in ``[block_n, block_k]`` boxes, ``W`` in
+    ``[block_k, block_v]`` (its rows are the sum's)."""
+    use = (
+        tma
+        and _USE_TMA
+        and TensorDescriptor is not None
+        and (dz.shape[1] * dz.element_size()) % 16 == 0
+        and (weight.shape[1] * weight.element_size()) % 16 == 0
+        and dz.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
+    if not use:
+        return dz, weight, False
+    return (
+        TensorDescriptor.from_tensor(dz, [tile.block_n, tile.block_k]),
+        TensorDescriptor.from_tensor(weight, [tile.block_k, tile.block_v]),
+        True,
+    )
+
+
 class TritonFused(Backend):
     """The Triton backend with one GPU family's :class:`Tiles`."""
 
@@ -641,6 +746,33 @@ class TritonFused(Backend):
             if need_x:
                 addmm_f32_(dx, chunk, weight[v0 : v0 + width])
         return (dx_out.copy_(dx) if need_x else None), dw
+
+    def logits(self, x, weight, out):
+        n, h = x.shape
+        v = weight.shape[0]
+        if n == 0:
+            return out
+        tile = self.tiles.fwd
+        x, weight = x.contiguous(), weight.contiguous()
+        xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
+        grid = (triton.cdiv(n, tile.block_n) * triton.cdiv(v, tile.block_v),)
+        _logits_kernel[grid](xa, wa, out, n, v, h, x.stride(0), weight.stride(0), out.stride(0),
+                             EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch())
+        return out
+
+    def hidden_grad(self, dz, weight, out):
+        n, v = dz.shape
+        h = weight.shape[1]
+        if n == 0:
+            return out
+        tile = self.tiles.dx
+        dz, weight = dz.contiguous(), weight.contiguous()
+        a, b, tma = _product_operands(dz, weight, tile, self.tiles.tma)
+        grid = (triton.cdiv(n, tile.block_n) * triton.cdiv(h, tile.block_v),)
+        _hidden_grad_kernel[grid](a, b, out, n, h, v, dz.stride(0), weight.stride(0), out.stride(0),
+                                  EVEN_K=v % tile.block_k == 0, USE_TMA=tma, GROUP=_DX_GROUP,
+                                  **tile.launch())
+        return out
 
     @staticmethod
     def row_stats(z, coef, local_label, with_entropy) -> LocalStats:
