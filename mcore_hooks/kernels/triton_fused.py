@@ -106,7 +106,7 @@ class Tiles:
 # sm_100's 227 KiB. sm_80 (A100, 163 KiB) keeps the wide tile with a shorter K step; sm_86 /
 # sm_89 / sm_120 (99-100 KiB) take 128 x 128. Older GPUs have no bf16 tensor cores: torch backend.
 # The hidden gradient's sm_90 tile ran level with cuBLAS on an H100 (1024-4096 tokens, H 4096 and
-X
+# 8192: -4.4% to +2.2%; benchmarks/RESULTS.md); the other families take their logit tiles' shapes.
 TILES: tuple[Tiles, ...] = (
     Tiles("sm_90", (9, 0), fwd=Tile(128, 256, 64, 8, 3), bwd=Tile(128, 256, 64, 8, 3),
           dx=Tile(128, 256, 64, 8, 3), tma=True),
