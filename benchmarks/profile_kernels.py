@@ -23,7 +23,8 @@ def bench(fn) -> float:
 
 
 def backend(bn: int, bv: int, bk: int, nw: int, ns: int, tma: bool = True) -> tf.TritonFused:
-    """The Triton backend with these tiles for both kernels (a sweep's candidate)."""
+    """The Triton backend with these tiles for the statistics and logit-gradient kernels (a
+    sweep's candidate); the fused losses' hidden gradient keeps sm_90's tile."""
     tile = tf.Tile(bn, bv, bk, nw, ns)
     return tf.TritonFused(tf.Tiles(f"{bn}x{bv}x{bk}/{nw}w/{ns}s", (0, 0), fwd=tile, bwd=tile,
                                    dx=tf.TILES[0].dx, tma=tma))

@@ -378,7 +378,8 @@ def test_the_fused_losses_products_do_not_depend_on_the_call(family, v):
     the same bits alone, first, or after others across a row block's edge, in calls of 7 to n
     rows (several row and column blocks), and within float32 summation's bound of float64."""
     backend = triton_fused.TritonFused(next(t for t in triton_fused.TILES if t.name == family))
-    n, h = (3000, 520) if ON_GPU else (300, 264)
+    # row blocks of 128: 20 (GPU: two full groups of 8 and a short one), 9 (one and a short)
+    n, h = (2500, 520) if ON_GPU else (1100, 264)
     g = torch.Generator().manual_seed(v)
     dz = (torch.randn(n, v, generator=g) * 1e-2).to(DEVICE, DTYPES[0])
     x = torch.randn(n, h, generator=g).to(DEVICE, DTYPES[0])
@@ -395,9 +396,11 @@ def test_the_fused_losses_products_do_not_depend_on_the_call(family, v):
         moved = rows(torch.cat([rest[:125], probe, rest[125:]]))  # rows 125-131: across 128
         assert torch.equal(alone, whole[5:12]) and torch.equal(alone, moved[125:132])
         # Each entry sums products of 16-bit numbers (exact in float32) in float32: within
-        # gamma_K ~ K * 2^-24 of the sum of the terms' magnitudes (Higham, first order).
+        # gamma_K ~ K * u of the sum of the terms' magnitudes (Higham, first order), u = 2^-24
+        # rounding to nearest; 2^-23 as tensor cores truncate in their accumulation (Fasi et
+        # al. 2021).
         ref = a.double() @ b.double()
-        bound = a.shape[1] * 2.0**-24 * (a.double().abs() @ b.double().abs())
+        bound = a.shape[1] * 2.0**-23 * (a.double().abs() @ b.double().abs())
         assert ((whole.double() - ref).abs() <= bound).all()
 
 

@@ -24,7 +24,8 @@ A fused loss is ``sum_i f_i(logprob_i, entropy_i)`` (:class:`TokenLoss`): the
 cross-entropy ``sum_i w_i (logZ_i - l_i[y_i])``, or a policy loss. Its upstream gradient is one
 scalar, so the logit gradients ``f_i' `` are formed in the forward while each token chunk's logits
 exist (3 matmuls, 6NHV, instead of recomputing them: 8NHV); the backward only scales dX and dW by
-that scalar. The products are cuBLAS (:mod:`.matmul`).
+that scalar. The products are cuBLAS (:mod:`.matmul`) unless the backend has its own
+(``logits``, ``hidden_grad``: the Triton backend's sum each row in one order).
 """
 
 from __future__ import annotations
@@ -264,6 +265,7 @@ class Backend:
         and dW (cuBLAS: a sum over tokens) take the chunk's gradient (3 matmuls in all, 6NHV).
         ``dw_sum``: a float32 buffer dW is added into (and returned) instead of a new one."""
         n, v_local = x.shape[0], weight.shape[0]
+        weight = weight.contiguous()  # once, not in each chunk's products
         f32 = dict(dtype=torch.float32, device=x.device)
         with_entropy = bool(token_loss.needs_entropy)
         loss, logprob = torch.zeros(n, **f32), torch.zeros(n, **f32)

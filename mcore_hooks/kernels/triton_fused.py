@@ -24,9 +24,10 @@ accumulator. No atomics: results are deterministic.
 The fused losses (:meth:`~.autograd.Backend.fused_loss`: gradients formed in the forward, token
 chunks sized from the call) take two products from here: the chunk's float32 logits
 (``_logits_kernel``, the statistics kernel's tile loop) and dX ``dz @ W`` summed over the
-vocabulary (``_hidden_grad_kernel``). Each sums a row in one order whatever the number of rows,
-where cuBLAS split dX's sum for fewer rows (and, at some shapes, the logits' sum over H), so a
-token's results there do not depend on the call either. dW, a sum over tokens, stays with cuBLAS.
+vocabulary (``_hidden_grad_kernel``). Each sums a row in one order whatever the number of rows;
+cuBLAS's dX rows changed with the number of rows (it splits the vocabulary's sum for fewer rows)
+and its logits' rows did at one measured shape. So a token's results there do not depend on the
+call either. dW, a sum over tokens, stays with cuBLAS.
 
 Tile shapes depend on the GPU: :data:`TILES` holds one set per family (sm_90, sm_80, sm_86/89),
 chosen by compute capability and the per-block shared memory the device offers
