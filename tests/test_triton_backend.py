@@ -19,7 +19,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from mcore_hooks.kernels import VocabParallel, linear_cross_entropy, linear_logprob_entropy, triton_fused  # noqa: E402
+from mcore_hooks.kernels import (  # noqa: E402
+    VocabParallel, linear_cross_entropy, linear_logprob_entropy, triton_fused, triton_kernels)
 from mcore_hooks.testing import run_on_ranks  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
@@ -595,10 +596,10 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
               stride_w="i32", stride_dx="i32")
     flags = dict(EVEN_K=True, USE_TMA=False)
     return [
-        _compiled_shared_memory(triton_fused._stats_fwd_kernel, fwd, flags, capability, tiles.fwd),
-        _compiled_shared_memory(triton_fused._dlogits_kernel, bwd, flags, capability, tiles.bwd),
-        _compiled_shared_memory(triton_fused._logits_kernel, logits, flags, capability, tiles.fwd),
-        _compiled_shared_memory(triton_fused._hidden_grad_kernel, dx,
+        _compiled_shared_memory(triton_kernels._stats_fwd_kernel, fwd, flags, capability, tiles.fwd),
+        _compiled_shared_memory(triton_kernels._dlogits_kernel, bwd, flags, capability, tiles.bwd),
+        _compiled_shared_memory(triton_kernels._logits_kernel, logits, flags, capability, tiles.fwd),
+        _compiled_shared_memory(triton_kernels._hidden_grad_kernel, dx,
                                 dict(flags, GROUP=triton_fused._DX_GROUP), capability, tiles.dx),
     ]
 
