@@ -771,6 +771,20 @@ def test_rollout_paths_on_cuda_match_float64(backend):
         assert rel(xg.grad, xr.grad) < 3e-2 and rel(wg.grad, wr.grad) < 3e-2, case
 
 
+def _assert_alone_as_in_calls(run, probe: int, fewer: tuple[int, ...]) -> None:
+    """``run(rows)``'s per-token results (a list of tensors, token first) for tokens
+    ``0..probe-1`` called alone are the same bits first and last in calls of up to 16384 tokens,
+    and their first ``n`` in calls of ``n in fewer`` tokens."""
+    alone = run(torch.arange(probe, device="cuda"))
+    for n in (probe + 1, 128, 1000, 4096, 16384):
+        first = run(torch.arange(n, device="cuda"))
+        last = run(torch.cat([torch.arange(probe, n, device="cuda"), torch.arange(probe, device="cuda")]))
+        for k, (a, b, c) in enumerate(zip(alone, first, last)):
+            assert torch.equal(a, b[:probe]) and torch.equal(a, c[-probe:]), (n, k)
+    for n in fewer:
+        assert all(torch.equal(a[:n], b) for a, b in zip(alone, run(torch.arange(n, device="cuda")))), n
+
+
 @pytest.mark.parametrize("given", ["none", "selected_ids", "kept_ids"])
 def test_default_triton_path_is_batch_invariant(given):
     """The default Triton path, no mode asked for: a token's log-prob, entropy, selected or
@@ -790,14 +804,7 @@ def test_default_triton_path_is_batch_invariant(given):
         (r.logprob.sum() + 0.5 * r.entropy.sum() + sel).backward()
         return [r.logprob, r.entropy, xg.grad] + ([r.selected] if r.selected is not None else [])
 
-    alone = run(torch.arange(probe, device="cuda"))
-    for n in (probe + 1, 128, 1000, 4096, 16384):
-        first = run(torch.arange(n, device="cuda"))
-        last = run(torch.cat([torch.arange(probe, n, device="cuda"), torch.arange(probe, device="cuda")]))
-        for k, (a, b, c) in enumerate(zip(alone, first, last)):
-            assert torch.equal(a, b[:probe]) and torch.equal(a, c[-probe:]), (n, k)
-    one = run(torch.arange(1, device="cuda"))
-    assert all(torch.equal(a[:1], b) for a, b in zip(alone, one))
+    _assert_alone_as_in_calls(run, probe, fewer=(1,))
 
 
 @pytest.mark.parametrize("loss", ["cross_entropy", "policy_loss"])
@@ -827,14 +834,7 @@ def test_default_fused_losses_are_batch_invariant(loss):
         r.loss.backward()
         return [r.logprob, r.entropy, xg.grad]
 
-    alone = run(torch.arange(probe, device="cuda"))
-    for n in (probe + 1, 128, 1000, 4096, 16384):
-        first = run(torch.arange(n, device="cuda"))
-        last = run(torch.cat([torch.arange(probe, n, device="cuda"), torch.arange(probe, device="cuda")]))
-        for k, (a, b, c) in enumerate(zip(alone, first, last)):
-            assert torch.equal(a, b[:probe]) and torch.equal(a, c[-probe:]), (n, k)
-    for n in (1, 2):  # where cuBLAS's logits rows differed
-        assert all(torch.equal(a[:n], b) for a, b in zip(alone, run(torch.arange(n, device="cuda"))))
+    _assert_alone_as_in_calls(run, probe, fewer=(1, 2))  # 1, 2: where cuBLAS's logits rows differed
 
 
 def test_processors_through_the_hook_are_batch_invariant_by_default():

@@ -232,45 +232,30 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _operands(x: torch.Tensor, weight: torch.Tensor, tile: Tile, tma: bool) -> tuple[Any, Any, bool]:
-    """Tensor descriptors for the copy engine where it can be used, else the tensors themselves."""
+def _descriptors(a: torch.Tensor, a_box: list[int], b: torch.Tensor, b_box: list[int],
+                 tma: bool) -> tuple[Any, Any, bool]:
+    """Tensor descriptors of ``a`` and ``b`` (boxes of these shapes) for the copy engine where it
+    can be used, else the tensors themselves."""
     # The copy engine needs 16-byte aligned base addresses and row strides.
     use = (
         tma
         and _USE_TMA
         and TensorDescriptor is not None
-        and (x.shape[1] * x.element_size()) % 16 == 0
-        and x.data_ptr() % 16 == 0
-        and weight.data_ptr() % 16 == 0
+        and all((t.shape[1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
     )
     if not use:
-        return x, weight, False
-    return (
-        TensorDescriptor.from_tensor(x, [tile.block_n, tile.block_k]),
-        TensorDescriptor.from_tensor(weight, [tile.block_v, tile.block_k]),
-        True,
-    )
+        return a, b, False
+    return TensorDescriptor.from_tensor(a, a_box), TensorDescriptor.from_tensor(b, b_box), True
+
+
+def _operands(x: torch.Tensor, weight: torch.Tensor, tile: Tile, tma: bool) -> tuple[Any, Any, bool]:
+    """``x @ W.T``'s operands: both in boxes of ``block_k`` of the hidden size."""
+    return _descriptors(x, [tile.block_n, tile.block_k], weight, [tile.block_v, tile.block_k], tma)
 
 
 def _product_operands(dz: torch.Tensor, weight: torch.Tensor, tile: Tile, tma: bool) -> tuple[Any, Any, bool]:
-    """:func:`_operands` for ``dz @ W``: ``dz`` in ``[block_n, block_k]`` boxes, ``W`` in
-    ``[block_k, block_v]`` (its rows are the sum's)."""
-    use = (
-        tma
-        and _USE_TMA
-        and TensorDescriptor is not None
-        and (dz.shape[1] * dz.element_size()) % 16 == 0
-        and (weight.shape[1] * weight.element_size()) % 16 == 0
-        and dz.data_ptr() % 16 == 0
-        and weight.data_ptr() % 16 == 0
-    )
-    if not use:
-        return dz, weight, False
-    return (
-        TensorDescriptor.from_tensor(dz, [tile.block_n, tile.block_k]),
-        TensorDescriptor.from_tensor(weight, [tile.block_k, tile.block_v]),
-        True,
-    )
+    """``dz @ W``'s operands: ``W`` in boxes of ``block_k`` of its rows (the sum's)."""
+    return _descriptors(dz, [tile.block_n, tile.block_k], weight, [tile.block_k, tile.block_v], tma)
 
 
 class TritonFused(Backend):
