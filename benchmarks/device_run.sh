@@ -52,6 +52,22 @@ if [ "$what" = tp ]; then
   timeout 240 python3 benchmarks/bench_tp.py --emulate --check-only --tp 2 4 --out "$out/tp_check" 2>&1 | tee "$out/tp_check.log" | grep -v '^{' | tail -50 || rc=1
   timeout 540 python3 benchmarks/bench_tp.py --out "$out/tp" 2>&1 | tee "$out/tp.log" | grep -v '^{' | tail -40 || rc=1
 fi
+if [ "$what" = invariance ]; then
+  shapes=("4096 151936 1024 4096 16384 65536" "8192 128256 1024 4096 32768")
+  [ -n "${SHAPE:-}" ] && shapes=("$SHAPE")  # one of them: "H V tokens..."
+  for shape in "${shapes[@]}"; do
+    read -r h v tokens <<< "$shape"
+    trees="new"; [ -d .whl/old/mcore_hooks ] && trees="old new"
+    for tree in $trees; do
+      path=$PWD; [ "$tree" = old ] && path=$PWD/.whl/old
+      PYTHONPATH=/tmp/site:$path timeout -k 5 280 python3 benchmarks/profile_invariant.py --hidden "$h" --vocab "$v" \
+        --tokens $tokens --sections time,policytime --tag "_${tree}_$h" --out "$out" 2>&1 | tee "$out/invariance_${tree}_$h.log" || rc=1
+    done
+  done
+fi
+if [ "$what" = e2e ]; then
+  timeout -k 5 580 python3 benchmarks/bench_e2e.py --tokens 8192 16384 --dp 8 --json "$out/e2e.json" 2>&1 | tee "$out/e2e.log" || rc=1
+fi
 if [ "$what" = quick ]; then
   timeout 400 python3 benchmarks/bench_postprocess.py --quick --tp2 --out "$out" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -40 || rc=1
 elif [ "$what" = bench ] || [ "$what" = all ]; then

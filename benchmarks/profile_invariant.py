@@ -3,8 +3,9 @@ batch (one GPU; issue 32).
 
     python benchmarks/profile_invariant.py [--hidden 4096] [--vocab 151936] [--out DIR]
 
-1. Time: the default and the invariant mode, forward and forward+backward, through
-   ``linear_logprob_entropy`` (Triton), at 1k-64k tokens (median of CUDA-event timed runs).
+1. Time: ``batch_invariant=False`` and ``True`` (the default from issue 32 on; before, the
+   invariant mode), forward and forward+backward, through ``linear_logprob_entropy`` (Triton), at
+   1k-64k tokens (median of CUDA-event timed runs).
 2. Kernels: a torch.profiler summary of one forward+backward of each mode at 1k and 16k tokens
    (CUDA time by kernel name), to see whether the mode's cost is padding, relaunches, the
    statistics kernel's grid or cuBLAS.
@@ -17,8 +18,8 @@ batch (one GPU; issue 32).
    and ``linear_cross_entropy`` in calls of 1 to 16384 tokens against a call of 128; and cuBLAS
    alone at their shapes: the rows of the logits ``x[M, H] @ W.T`` and of dX over the whole
    vocabulary ``dz[M, V] @ W`` into float32, for M = 1 to 8192, bitwise against M = 128.
-5. ``policytime``: the fused policy loss (GRPO, dW formed), default and invariant mode,
-   forward+backward.
+5. ``policytime``: the fused policy loss (GRPO, dW formed), ``batch_invariant=False`` and
+   ``True``, forward+backward.
 
 ``--sections time,kernels,variance`` picks parts; ``--tag`` names the JSON file apart.
 """
@@ -70,7 +71,7 @@ def main() -> None:
     w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).bfloat16()
     y = torch.randint(0, v, (nmax,), device="cuda", generator=g)
     rows = []
-    print("| tokens | fwd default / invariant ms | fwd+bwd default / invariant ms |\n|---|---|---|")
+    print("| tokens | fwd batch_invariant=False / True ms | fwd+bwd False / True ms |\n|---|---|---|")
     for n in (args.tokens if "time" in sections else ()):
         xs, ys = x[:n], y[:n]
         res = {}
@@ -230,7 +231,7 @@ def fused_variance(x, w, y, g, rows) -> None:
 
 
 def policy_time(x, w, y, tokens, rows) -> None:
-    print("\n| tokens | fused policy loss fwd+bwd default / invariant ms |\n|---|---|")
+    print("\n| tokens | fused policy loss fwd+bwd batch_invariant=False / True ms |\n|---|---|")
     wg = w.detach().clone().requires_grad_()  # dW formed, as in training
 
     def step(n, inv):

@@ -103,7 +103,7 @@ MTPLossFn = Callable[[MTPDepth], MTPLoss]
 
 def fused_mtp_loss(
     depth: MTPDepth, *, backend: str = "auto", chunk_size: Optional[int] = None, ignore_index: int = -100,
-    batch_invariant: bool = False,
+    batch_invariant: bool = True,
 ) -> MTPLoss:
     """A depth's loss from the fused kernel: no ``[tokens, vocab]`` logits, acceptance from the
     same pass. No temperature: the MTP loss is a training loss on the raw (MuP-scaled) logits.
@@ -113,7 +113,7 @@ def fused_mtp_loss(
         backend: the kernels' backend (see :func:`mcore_hooks.kernels.backend_for`).
         chunk_size: tokens per chunk of the torch backend (None: its default).
         ignore_index: the label of skipped positions.
-        batch_invariant: fixed-shape token blocks (see
+        batch_invariant: each token's loss the same bits whatever the batch (the default; see
             :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
 
     Returns:

@@ -10,7 +10,7 @@ node handing back each output's gradient, the processors returning tuples), whic
 loss uses (all, or the first: an entropy only logged), a non-reentrant activation-checkpointed
 region around the call, one or two MTP depths' fused loss on the same weight, the deferred
 embedding weight gradient of pipeline parallelism (``defer_embedding_wgrad_compute``), and the
-batch-invariant mode, and ``torch.compile`` around the call (graph breaks allowed), on 4
+batch invariance (on, the default, or opted out), and ``torch.compile`` around the call (graph breaks allowed), on 4
 gloo CPU ranks in float32, and compares values and gradients with the same processor on the
 unsplit batch (itself checked against stock Megatron by the rest of the suite). A combination either matches or is refused
 before anything is written, with an error naming it. ``python tests/configuration_space.py``

@@ -1,5 +1,5 @@
-"""Batch invariance (``batch_invariant=True``), bitwise, on the torch backend (the Triton backend's
-in ``test_gpu.py``): a token's results and its row of the hidden states' gradient do not change
+"""Batch invariance (``batch_invariant=True``, the default), bitwise, on the torch backend (the
+Triton backend's in ``test_gpu.py``): a token's results and its row of the hidden states' gradient do not change
 with the other tokens in the call, their number, or where the token sits; a call split at block
 boundaries into micro-batches adds the same bits into ``main_grad``."""
 
@@ -19,17 +19,19 @@ from mcore_hooks.kernels import (
     linear_logprob_entropy,
     linear_policy_loss,
 )
-from mcore_hooks.kernels.invariant import BLOCK
+from mcore_hooks.kernels.invariant import block_rows
 from mcore_hooks.testing import hook_keywords
 
-H, V, PROBE = 16, 64, 7
-SIZES = (7, 128, 1000, BLOCK + 100)  # the last: the probe tokens in the second block
+H, V, PROBE = 256, 1000, 7
+WIDE = (256, 1000)  # (H, V) of the processors' test: wide enough for a BLAS to pick by shape
+BLOCK = block_rows(torch.device("cpu"))
+SIZES = (7, BLOCK - 1, BLOCK + 5, 1000)  # from the second block on, the probe tokens are in the last
 KINDS = ["logprob-entropy", "kept-set", "truncation", "selected", "cross-entropy", "policy"]
 
 
 def _pool(dtype):
     g = torch.Generator().manual_seed(0)
-    n = BLOCK + 100
+    n = max(SIZES) + 100
     x = torch.randn(n, H, generator=g).to(dtype)
     w = (torch.randn(V, H, generator=g) * 0.5).to(dtype)
     y = torch.randint(0, V, (n,), generator=g)
@@ -46,7 +48,7 @@ def _call(kind, x, w, y, kept, rows, parallel=None):
         xs = xs.chunk(dist.get_world_size())[dist.get_rank()]
     xg, wg = xs.clone().requires_grad_(), w.clone().requires_grad_()
     n = len(rows)
-    common = dict(backend="torch", batch_invariant=True, temperature=0.8)
+    common = dict(backend="torch", temperature=0.8)  # batch invariance: the default
     if parallel is not None:
         common["parallel"] = parallel
     if kind == "logprob-entropy":
@@ -111,8 +113,7 @@ def test_a_call_split_at_a_block_boundary_adds_the_same_bits_into_main_grad():
 
     def into(acc, rows):
         wg = w.clone().requires_grad_()
-        r = linear_logprob_entropy(x[rows], wg, y[rows], backend="torch", batch_invariant=True,
-                                   weight_grad_accumulator=acc)
+        r = linear_logprob_entropy(x[rows], wg, y[rows], backend="torch", weight_grad_accumulator=acc)
         (r.logprob.sum() + 0.3 * r.entropy.sum()).backward()
         return acc
 
@@ -121,18 +122,95 @@ def test_a_call_split_at_a_block_boundary_adds_the_same_bits_into_main_grad():
     assert torch.equal(whole, parts)
 
 
-def test_processors_take_the_option_through_the_hook():
+def _every_processor():
+    """Every bundled processor and integration, default options (a loss summed over tokens:
+    no token's weight follows the batch), with the context it reads (``[b, s, ...]``)."""
+    from mcore_hooks import (EntropyProcessor, LinearCEProcessor, PolicyLossProcessor,
+                             SelectedLogprobProcessor, TopKDistillationProcessor, Truncation)
+    from mcore_hooks.integrations.nemo_rl import NemoRLLogprobProcessor
+    from mcore_hooks.integrations.verl import FusedOutputProcessorContext, VerlFusedProcessor
+    from mcore_hooks.kernels import PolicyLoss
+
+    b, s = 40, 6
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, WIDE[1], (b, s, 4), generator=g)
+    teacher = torch.log_softmax(torch.randn(b, s, 4, generator=g), -1)
+    policy = {"old_logprobs": -3 * torch.rand(b, s, generator=g), "advantages": torch.randn(b, s, generator=g)}
+    return [
+        (FusedLogprobProcessor(), None),
+        (FusedLogprobProcessor(kept_set=Truncation(top_k=8, top_p=0.9)), None),
+        (EntropyProcessor(), None),
+        (LogprobEntropyProcessor(), None),
+        (LinearCEProcessor(reduction="sum"), None),
+        (PolicyLossProcessor(loss=PolicyLoss(entropy_coef=0.01), aggregation="token-sum"), policy),
+        (SelectedLogprobProcessor(with_label=True), {"selected_ids": ids}),
+        (TopKDistillationProcessor(aggregation="token-sum"), {"teacher_ids": ids, "teacher_logprobs": teacher}),
+        (VerlFusedProcessor(), FusedOutputProcessorContext(temperature=0.8)),
+        (NemoRLLogprobProcessor(), None),
+    ]
+
+
+def _per_sample(out, b: int) -> list:
+    """A processor's per-token outputs, sample axis first (``[b, ...]``; verl's flattened
+    ``[b * s]`` made ``[b, s]``), and what to differentiate (they and any scalar loss)."""
+    if isinstance(out, torch.Tensor):
+        parts = [out]
+    elif isinstance(out, dict):
+        parts = list(out.values())
+    elif isinstance(out, tuple):
+        parts = list(out)
+    else:  # verl's output object
+        parts = [out.log_probs, out.entropy]
+    tensors = [p for p in parts if isinstance(p, torch.Tensor) and p.is_floating_point()]
+    per = [p.view(b, -1) if p.dim() == 1 else p for p in tensors if p.dim() >= 1]  # not a scalar loss
+    return per, sum(p.float().sum() for p in tensors if p.requires_grad)
+
+
+def test_every_processor_through_the_hook_is_batch_invariant_by_default():
+    """The default options, on the CPU (the torch backend): each sample's outputs and its rows
+    of the hidden states' gradient are the same bits alone, first, last or in the middle of 40
+    samples, for every bundled processor and integration. (At this shape this machine's MKL
+    formed a row of ``x @ W.T`` differently at 6 or 7 rows than at 240: with
+    ``batch_invariant=False`` the processors' results moved.)"""
+    b, s = 40, 6
+    h, v = WIDE
+    g = torch.Generator().manual_seed(3)
+    layer = torch.nn.Linear(h, v, bias=False)
+    hidden = torch.randn(s, b, h, generator=g)
+    labels = torch.randint(0, v, (b, s), generator=g)
+
+    def run(processor, context, samples):
+        h = hidden[:, samples].clone().requires_grad_()
+        ctx = context
+        if isinstance(context, dict):
+            ctx = {k: t[samples] for k, t in context.items()}
+        kw = hook_keywords(h, layer, labels=labels[samples], input_ids=labels[samples], context=ctx)
+        out = processor(**kw)
+        n = h.shape[1]
+        per, loss = _per_sample(out, n)
+        loss.backward()
+        return [p.detach() for p in per] + [h.grad.transpose(0, 1)]
+
+    for processor, context in _every_processor():
+        whole = run(processor, context, slice(0, b))
+        for i, part in ((0, slice(0, 1)), (0, slice(0, 7)), (39, slice(39, 40)), (6, slice(0, 7)),
+                        (20, slice(13, 33))):
+            got = run(processor, context, part)
+            j = i - part.start
+            assert all(torch.equal(a[i], c[j]) for a, c in zip(whole, got)), (type(processor).__name__, i, part)
+
+
+def test_the_opt_out_is_taken_and_checked():
+    """``batch_invariant=False`` runs on the call's own shapes (within the usual bounds: the
+    exactness tests take both settings); a non-bool is refused before anything runs."""
     g = torch.Generator().manual_seed(3)
     layer = torch.nn.Linear(H, V, bias=False)
     hidden = torch.randn(40, 1, H, generator=g)
     labels = torch.randint(0, V, (1, 40), generator=g)
-    outs = []
-    for s in (40, 12):
-        kw = hook_keywords(hidden[-s:], layer, labels=labels[:, -s:])
-        out = LogprobEntropyProcessor(batch_invariant=True, backend="torch")(**kw)
-        outs.append(out["logprobs"][:, -5:])
-        assert FusedLogprobProcessor(batch_invariant=True)(**kw).shape == (1, s)
-    assert torch.equal(outs[0], outs[1])
+    kw = hook_keywords(hidden, layer, labels=labels)
+    on = LogprobEntropyProcessor()(**kw)["logprobs"]
+    off = LogprobEntropyProcessor(batch_invariant=False)(**kw)["logprobs"]
+    torch.testing.assert_close(on, off, rtol=0, atol=1e-5)
     with pytest.raises(TypeError, match="batch_invariant: expected True or False"):
         FusedLogprobProcessor(batch_invariant="yes")
 

@@ -81,7 +81,7 @@ class NemoRLLogprobProcessor(_FusedProcessor):
         chunk_size: Optional[int] = None,
         ignore_index: int = -100,
         backend: str = "auto",
-        batch_invariant: bool = False,
+        batch_invariant: bool = True,
     ) -> None:
         self._set_options(temperature, ignore_index, chunk_size, backend, batch_invariant)
 
@@ -162,7 +162,7 @@ class _GatherCP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        # batch-invariant mode: past two ranks, added in rank order (a collective's order
+        # batch invariance: past two ranks, added in rank order (a collective's order
         # depends on the message size)
         grad = all_reduce(grad.contiguous().clone(), dist.ReduceOp.SUM, ctx.layout.group, ctx.ordered)
         return ctx.layout.local(grad), None, None

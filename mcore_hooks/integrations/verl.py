@@ -96,7 +96,7 @@ class VerlFusedProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
-        batch_invariant: bool = False,
+        batch_invariant: bool = True,
     ) -> None:
         _check_flag("calculate_entropy", calculate_entropy)
         _check_flag("as_tuple", as_tuple)

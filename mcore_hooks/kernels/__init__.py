@@ -26,7 +26,7 @@ from . import ops
 from . import candidates as cand
 from .autograd import Backend, GlobalStats, TokenLoss, group_rank_size, label_is_row_max
 from .candidates import Truncation
-from .invariant import BLOCK
+from .invariant import block_rows
 from .losses import PerTokenLoss, PolicyLoss, PolicyLossResult, WeightedNLL, aggregation_weights, per_token_loss
 from .options import KernelParams, VocabParallel, is_finite
 from .torch_chunked import TorchChunked
@@ -99,7 +99,7 @@ def linear_logprob_entropy(
     kept_ids: Optional[torch.Tensor] = None,
     truncation: Optional[Truncation] = None,
     selected_ids: Optional[torch.Tensor] = None,
-    batch_invariant: bool = False,
+    batch_invariant: bool = True,
 ) -> LogprobEntropy:
     """Per-token log-prob of ``labels`` and entropy, float32 ``[N]``, differentiable.
 
@@ -140,16 +140,17 @@ def linear_logprob_entropy(
         selected_ids: ``[N, K]`` integer global ids per token (a teacher's top-k): their
             log-probabilities under the full distribution come back in ``selected``,
             differentiable (0 at -1 padding and ignored positions).
-        batch_invariant: run every pass on fixed-shape blocks of 2048 tokens
-            (:mod:`.invariant`): each token's results and its row of the hidden states' gradient
-            are then bitwise independent of the other tokens in the call, of their number and of
-            the chunking (with ``kept_ids`` / ``selected_ids``, for a fixed width ``K``; under
-            tensor parallelism of more than 2 ranks, the sums over the ranks are added in rank
-            order, in float32, after an all-to-all of their terms); the blocks' weight
-            gradients go into one float32
-            buffer in order (``main_grad``: block-aligned micro-batches add the same bits as the
-            whole call).
-            ``benchmarks/RESULTS.md`` has the cost.
+        batch_invariant: each token's results and its row of the hidden states' gradient
+            bitwise independent of the other tokens in the call, of their number and of the
+            chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
+            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are; the
+            torch backend, and the BLAS products of either (wide id sets, the truncation's
+            statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU
+            (their weight gradients added into one float32 buffer in order); sums over more
+            than 2 tensor-parallel ranks are added in rank order, in float32, after an
+            all-to-all of their terms. ``False`` leaves the torch backend to the call's shapes
+            and those sums to the collectives (faster for a call far smaller than a block, and
+            past 2 ranks). ``benchmarks/RESULTS.md`` has the cost.
 
     Returns:
         :class:`LogprobEntropy`: float32 ``[N]`` log-probs (None without labels) and entropies,
@@ -255,9 +256,10 @@ def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
     _, tp = group_rank_size(p.group)
     v_total = weight.shape[0] * tp
     opts = t._per_token(p.n, hidden.device, v_total)
+    width = t._width(v_total)
     values, ids, m, log_s = ops.top_k_ids(hidden.detach(), weight.detach(), p.coef, p.vocab_start,
                                           ops.group_name(p.group), p.sequence_parallel, p.chunk_size,
-                                          t._width(v_total), ops.invariant(p.backend))
+                                          width, ops.invariant(p.backend))
     if ops.invariant(p.backend):  # aligned rows for the sort's softmax and cumulative sum
         pad = cand.aligned_columns(ids).shape[1] - ids.shape[1]
         values = torch.cat([values, values.new_full((values.shape[0], pad), -math.inf)], dim=1)
@@ -269,7 +271,7 @@ def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
         why = ("its top-k options are out of range" if bool(opts.bad[i]) else
                f"its top_k {int(opts.top_k[i])} (or the logits tied with its {int(opts.top_k[i])}-th "
                f"largest, which vLLM's rule keeps) does not fit the kept set's width "
-               f"{values.shape[1]}; raise Truncation.ties (now {t.ties}) or max_top_k")
+               f"{width}; raise Truncation.ties (now {t.ties}) or max_top_k")
         raise ValueError(f"truncation: token {i}: {why}")
     kept, outside = cand.with_labels(kept, p.labels, p.valid)
     return kept, outside, bad
@@ -313,7 +315,7 @@ def linear_cross_entropy(
     weight_grad_accumulator: Optional[torch.Tensor] = None,
     placeholder_weight_grad: bool = False,
     upstream_grad: Optional[float] = None,
-    batch_invariant: bool = False,
+    batch_invariant: bool = True,
 ) -> torch.Tensor:
     """Reduced cross-entropy ``sum_i token_weight_i * -log p_i(labels_i)``, a float32 scalar.
 
@@ -350,16 +352,17 @@ def linear_cross_entropy(
             there, so the forward must be followed by exactly one backward. The backward
             checks the gradient it receives on the device: a different one stops the process
             with a device-side assertion (on the CPU, a RuntimeError), never a wrong gradient.
-        batch_invariant: run every pass on fixed-shape blocks of 2048 tokens
-            (:mod:`.invariant`): each token's results and its row of the hidden states' gradient
-            are then bitwise independent of the other tokens in the call, of their number and of
-            the chunking (with ``kept_ids`` / ``selected_ids``, for a fixed width ``K``; under
-            tensor parallelism of more than 2 ranks, the sums over the ranks are added in rank
-            order, in float32, after an all-to-all of their terms); the blocks' weight
-            gradients go into one float32
-            buffer in order (``main_grad``: block-aligned micro-batches add the same bits as the
-            whole call).
-            ``benchmarks/RESULTS.md`` has the cost.
+        batch_invariant: each token's results and its row of the hidden states' gradient
+            bitwise independent of the other tokens in the call, of their number and of the
+            chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
+            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are; the
+            torch backend, and the BLAS products of either (wide id sets, the truncation's
+            statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU
+            (their weight gradients added into one float32 buffer in order); sums over more
+            than 2 tensor-parallel ranks are added in rank order, in float32, after an
+            all-to-all of their terms. ``False`` leaves the torch backend to the call's shapes
+            and those sums to the collectives (faster for a call far smaller than a block, and
+            past 2 ranks). ``benchmarks/RESULTS.md`` has the cost.
 
     Returns:
         The float32 scalar loss.
@@ -397,7 +400,7 @@ def linear_policy_loss(
     upstream_grad: Optional[float] = None,
     kept_ids: Optional[torch.Tensor] = None,
     truncation: Optional[Truncation] = None,
-    batch_invariant: bool = False,
+    batch_invariant: bool = True,
 ) -> PolicyLossResult:
     """A policy loss ``sum_i token_weight_i * f(logprob_i, entropy_i, inputs_i)``, fused with the
     output layer, with its gradients formed in the forward.
@@ -441,16 +444,17 @@ def linear_policy_loss(
             in the backward. Positions of weight 0 add no term.
         truncation: as :func:`linear_logprob_entropy`'s, the kept set recomputed from the
             trainer's own logits; the loss uses it as ``kept_ids``.
-        batch_invariant: run every pass on fixed-shape blocks of 2048 tokens
-            (:mod:`.invariant`): each token's results and its row of the hidden states' gradient
-            are then bitwise independent of the other tokens in the call, of their number and of
-            the chunking (with ``kept_ids`` / ``selected_ids``, for a fixed width ``K``; under
-            tensor parallelism of more than 2 ranks, the sums over the ranks are added in rank
-            order, in float32, after an all-to-all of their terms); the blocks' weight
-            gradients go into one float32
-            buffer in order (``main_grad``: block-aligned micro-batches add the same bits as the
-            whole call).
-            ``benchmarks/RESULTS.md`` has the cost.
+        batch_invariant: each token's results and its row of the hidden states' gradient
+            bitwise independent of the other tokens in the call, of their number and of the
+            chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
+            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are; the
+            torch backend, and the BLAS products of either (wide id sets, the truncation's
+            statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU
+            (their weight gradients added into one float32 buffer in order); sums over more
+            than 2 tensor-parallel ranks are added in rank order, in float32, after an
+            all-to-all of their terms. ``False`` leaves the torch backend to the call's shapes
+            and those sums to the collectives (faster for a call far smaller than a block, and
+            past 2 ranks). ``benchmarks/RESULTS.md`` has the cost.
 
     Returns:
         :class:`PolicyLossResult`: the float32 scalar loss, and detached float32 ``[N]``
@@ -555,7 +559,7 @@ def _token_vector(name: str, t: Any, n: int, device: torch.device,
 def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel, chunk_size,
              backend, fused: bool = False, accumulator: Optional[torch.Tensor] = None,
              dummy_weight_grad: bool = False, upstream_grad: Optional[float] = None,
-             batch_invariant: bool = False) -> KernelParams:
+             batch_invariant: bool = True) -> KernelParams:
     """Check the arguments (errors name the argument) and put them in the kernels' form."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -591,9 +595,11 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
         raise TypeError(f"batch_invariant: expected True or False, got {batch_invariant!r}")
     backend_impl = _select_backend(backend, hidden)
     if chunk_size is None:
-        # batch invariance: sized for one fixed block, whatever the number of tokens
+        # batch invariance on the torch backend: sized for one fixed block, whatever the number
+        # of tokens (the Triton backend's products sum a row the same in any chunk)
+        blocked = batch_invariant and backend_impl == "torch"
         chunk_size = (
-            _fused_chunk_size(_backend_class(backend_impl), BLOCK if batch_invariant else n,
+            _fused_chunk_size(_backend_class(backend_impl), block_rows(hidden.device) if blocked else n,
                               weight.shape[0], hidden.element_size(),
                               into_accumulator=accumulator is not None and upstream_grad is not None)
             if fused else default_chunk_size(weight.shape[0])

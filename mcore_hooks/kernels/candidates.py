@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import torch
 
 from .debug import check_values
-from .invariant import BLOCK
+from .invariant import block_rows
 from .matmul import addmm_f32_, bmm_f32, mm_f32
 from .options import is_finite
 
@@ -98,7 +98,8 @@ def candidate_logits(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, 
     """Float32 ``[N, K]`` logits ``coef * x . W[id]`` of the ids this rank owns, 0 elsewhere:
     gathered, or for a wide ``K`` (:func:`gathers`) the columns of a dense product over the
     vocabulary. ``fixed`` (batch invariance): every product over a fixed number of tokens
-    (padded): ``chunk_size`` for the gather, the invariant mode's block for the dense product.
+    (padded): ``chunk_size`` for the gather, the device's block (``invariant.block_rows``) for
+    the dense product.
     ``dots``: a backend's gathered dot products (``Backend.gathered_dots``), used up to
     ``K = V / 256`` where the backend gives them (per token: invariant as they are)."""
     n, k = ids.shape
@@ -109,8 +110,9 @@ def candidate_logits(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, 
         return torch.where(owned, z.mul_(coef.unsqueeze(1)), 0.0)
     out = torch.zeros((n, k), dtype=torch.float32, device=x.device)
     if not gathers(k, v_local):
-        for start, end in _token_blocks(n, fixed, BLOCK):
-            xb = _chunk(x, start, end, BLOCK, fixed, 0)
+        block = block_rows(x.device)
+        for start, end in _token_blocks(n, fixed, block):
+            xb = _chunk(x, start, end, block, fixed, 0)
             o = out[start:end]
             for v0, v1 in _vocab_chunks(xb.shape[0], v_local, 4):
                 z = mm_f32(xb, weight[v0:v1].t())[: end - start]
@@ -140,8 +142,8 @@ def candidate_grads(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, i
     takes it: dW's rows rounded once (or added into the accumulator), so no float32 ``[V, H]``
     buffer and no ``index_add_`` (whose atomic adds vary a row's order between runs); dX summed
     in float32. For a narrow ``K`` dX takes ``dz @ W[ids]`` (gathered rows). ``fixed``: the
-    gathers over ``chunk_size`` tokens, the dense products over blocks of the batch-invariant
-    mode's tokens, each padded."""
+    gathers over ``chunk_size`` tokens, the dense products over the device's blocks, each
+    padded."""
     n, h = x.shape
     v_local = weight.shape[0]
     owned, rows = owned_rows(ids, vocab_start, v_local)
@@ -167,10 +169,11 @@ def candidate_grads(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, i
             if need_x:
                 dx[start:end] = bmm_f32(dzc.unsqueeze(1), weight[r]).squeeze(1)[: end - start]
     if dense_w or (need_x and not gather):
-        for start, end in _token_blocks(n, fixed, BLOCK):
-            xb = _chunk(x, start, end, BLOCK, fixed, 0)
-            dzb = _chunk(dz, start, end, BLOCK, fixed, 0)
-            rb, ob = _chunk(rows, start, end, BLOCK, fixed, 0), _chunk(owned, start, end, BLOCK, fixed, False)
+        block = block_rows(x.device)
+        for start, end in _token_blocks(n, fixed, block):
+            xb = _chunk(x, start, end, block, fixed, 0)
+            dzb = _chunk(dz, start, end, block, fixed, 0)
+            rb, ob = _chunk(rows, start, end, block, fixed, 0), _chunk(owned, start, end, block, fixed, False)
             dxb = torch.zeros((xb.shape[0], h), dtype=torch.float32, device=x.device) if need_x and not gather else None
             for v0, v1 in _vocab_chunks(xb.shape[0], v_local, x.element_size()):
                 inside, cols = _inside(rb, ob, v0, v1)

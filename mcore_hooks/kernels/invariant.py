@@ -1,24 +1,30 @@
-"""Batch invariance: a backend run on fixed-shape token blocks.
+"""Batch invariance (the default, ``batch_invariant=True``): a backend run on fixed-shape token blocks.
 
 A GEMM library picks its algorithm (tiles, split-K) by shape, so the same token's logits can be
 summed in another order when the call holds more or fewer tokens (up to 1.9e-6 in a log-prob,
 measured on an H200 between 7 and 16384 tokens, before the Triton backend's kernels made its
-own paths invariant: this mode is for what is not, the torch backend and sums over more than two
-ranks). :class:`InvariantBlocks` gives every kernel and cuBLAS call the same
-shapes whatever the call: the tokens are cut into blocks of :data:`BLOCK`, each copied into a
-fresh ``[BLOCK, H]`` buffer (the last padded with zero rows that count for nothing: label none,
+own paths invariant). The Triton backend's passes sum each token in one order by construction
+and run as they are; what goes through a BLAS does not: the torch backend's passes, and on
+either backend the dense products of wide id sets and the truncation's top-k statistics
+(:mod:`.candidates`, ``ops.top_k_ids``). :class:`InvariantBlocks` gives those the same
+shapes whatever the call: the tokens are cut into blocks of :func:`block_rows` (2048 on a GPU,
+64 on the CPU), each copied into a
+fresh ``[block, H]`` buffer (the last padded with zero rows that count for nothing: label none,
 no gradient), and the backend runs on each. Within a block no row's arithmetic depends on
 another's (a GEMM's rows, the kernels' per-row statistics), so a token's results and its row of
 dX are bitwise independent of which other tokens are in the call, of their number and of the
 chunking (for a given ``chunk_size``: the default depends on the vocabulary only). Under tensor
 parallelism the statistics' and dX's sums over the ranks run over all the call's tokens: a sum
 of two terms has one order, but a collective's order over more ranks depends on the message
-size and the element's place in it, so past two ranks the mode brings each rank its slice of
+size and the element's place in it, so past two ranks each rank is brought its slice of
 every rank's terms (an all-to-all) and adds them in rank order (``autograd.all_reduce``'s
-``ordered``). dW: each
-block's products are added into one float32 buffer in block order, rounded once at the end; with
-Megatron's ``main_grad`` as that buffer, a call split at block boundaries into micro-batches adds
-the same bits as the whole call.
+``ordered``). dW (the torch backend): each block's products are added into one float32 buffer in
+block order, rounded once at the end; with Megatron's ``main_grad`` as that buffer, a call split
+at block boundaries into micro-batches adds the same bits as the whole call.
+
+``batch_invariant=False`` opts out: the torch backend then runs on the call's own shapes (faster
+for a call much smaller than a block), and sums over more than two ranks are left to the
+collectives.
 """
 
 from __future__ import annotations
@@ -30,9 +36,17 @@ import torch
 
 from .autograd import Backend, FusedLoss, LocalStats
 
-# Tokens per block: large enough that a block fills an H100/H200 with the Triton statistics
-# kernel's grid (16 row blocks of 128 x its vocab splits) and one block's GEMMs run near peak.
+# Tokens per block on a GPU: one block's GEMMs run near peak (an H100/H200).
 BLOCK = 2048
+# On the CPU: the BLAS runs near its peak from a few dozen rows, and a small call (a test, a
+# debugging session) pays for at most 63 padding rows, not 2047.
+CPU_BLOCK = 64
+
+
+def block_rows(device: torch.device) -> int:
+    """Tokens per fixed-shape block on ``device`` (a constant of the device type: never of the
+    call)."""
+    return BLOCK if device.type == "cuda" else CPU_BLOCK
 
 
 def padded(t: torch.Tensor, rows: int, fill) -> torch.Tensor:
@@ -42,7 +56,7 @@ def padded(t: torch.Tensor, rows: int, fill) -> torch.Tensor:
     return out
 
 
-def blocks(n: int, block: int = BLOCK) -> list[tuple[int, int]]:
+def blocks(n: int, block: int) -> list[tuple[int, int]]:
     return [(s, min(s + block, n)) for s in range(0, n, block)]
 
 
@@ -65,7 +79,7 @@ class _BlockLoss:
 class InvariantBlocks(Backend):
     """``inner`` run on fixed-shape blocks of ``block`` tokens (module docstring)."""
 
-    def __init__(self, inner: Backend, block: int = BLOCK) -> None:
+    def __init__(self, inner: Backend, block: int) -> None:
         self.inner, self.block = inner, block
         self.name = inner.name
         self.fused_chunk_bytes = inner.fused_chunk_bytes

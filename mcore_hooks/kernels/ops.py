@@ -31,7 +31,7 @@ from . import autograd as ag
 from . import candidates as cand
 from .losses import PolicyLoss, WeightedNLL, per_token_loss
 from .options import KernelParams
-from .invariant import BLOCK, InvariantBlocks, blocks, padded
+from .invariant import InvariantBlocks, block_rows, blocks, padded
 from .torch_chunked import TorchChunked
 
 _F32 = torch.float32
@@ -49,16 +49,17 @@ def _group(name: Optional[str]):
 
 
 def _backend(name: str, device: torch.device) -> ag.Backend:
-    """The backend a name says: ``"torch"`` or ``"triton"``, with ``"+invariant"`` run on
-    fixed-shape token blocks (:mod:`.invariant`)."""
+    """The backend a name says: ``"torch"`` or ``"triton"``; ``"+invariant"`` (batch
+    invariance, :mod:`.invariant`): the torch backend on fixed-shape token blocks, the Triton
+    backend as it is (its passes sum each token in one order whatever the call)."""
     base, _, mode = name.partition("+")
     if base == "torch":
-        backend: ag.Backend = TorchChunked(aligned=mode == "invariant")
-    else:
-        from . import triton_fused  # lazily: it imports Triton, slow and optional
+        aligned = mode == "invariant"
+        backend: ag.Backend = TorchChunked(aligned=aligned)
+        return InvariantBlocks(backend, block_rows(device)) if aligned else backend
+    from . import triton_fused  # lazily: it imports Triton, slow and optional
 
-        backend = triton_fused.TritonFused(triton_fused.device_tiles(device))
-    return InvariantBlocks(backend) if mode == "invariant" else backend
+    return triton_fused.TritonFused(triton_fused.device_tiles(device))
 
 
 def invariant(backend: str) -> bool:
@@ -109,7 +110,7 @@ def logsoftmax_stats(
         extra = cand.candidate_logits(x, weight, coef, extra_ids, vocab_start,
                                       cand.gather_chunk_size(extra_ids.shape[1], x.shape[1]),
                                       invariant(backend), impl.gathered_dots)
-        # each id on one rank: exact in any order (ordered all the same: in the invariant mode
+        # each id on one rank: exact in any order (ordered all the same: with batch invariance
         # no sum over more than two ranks is left to a collective's order)
         ag.all_reduce(extra, torch.distributed.ReduceOp.SUM, pg, invariant(backend))
     return (logprob, entropy, st.max + st.log_s, valid & ag.label_is_row_max(st), st.max, st.log_s,
@@ -332,12 +333,13 @@ def top_k_ids(
     n = x.shape[0]
     none = torch.full((n,), -1, dtype=torch.long, device=x.device)
     if invariant:  # fixed-shape blocks, as InvariantBlocks runs the statistics pass
-        parts = [TorchChunked.local_stats_top_k(padded(x[s:e], BLOCK, 0), weight,
-                                                padded(coef[s:e], BLOCK, 1.0),
-                                                padded(none[s:e], BLOCK, -1), chunk_size, top_k,
+        b = block_rows(x.device)
+        parts = [TorchChunked.local_stats_top_k(padded(x[s:e], b, 0), weight,
+                                                padded(coef[s:e], b, 1.0),
+                                                padded(none[s:e], b, -1), chunk_size, top_k,
                                                 aligned=True)
-                 for s, e in blocks(n)]
-        real = [e - s for s, e in blocks(n)]  # each block's rows before its padding
+                 for s, e in blocks(n, b)]
+        real = [e - s for s, e in blocks(n, b)]  # each block's rows before its padding
         local = ag.LocalStats(*[torch.cat([st[i][:r] for (st, _), r in zip(parts, real)]) for i in range(4)])
         values = torch.cat([v[:r] for (_, (v, _)), r in zip(parts, real)])
         rows = torch.cat([i[:r] for (_, (_, i)), r in zip(parts, real)])

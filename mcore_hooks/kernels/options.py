@@ -70,7 +70,7 @@ class KernelParams:
 
     @property
     def batch_invariant(self) -> bool:
-        """The backend runs in the batch-invariant mode (its name ends in ``+invariant``)."""
+        """Batch invariance asked for (the backend's name ends in ``+invariant``)."""
         return isinstance(self.backend, str) and self.backend.endswith("+invariant")
 
     @property

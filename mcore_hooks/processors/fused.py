@@ -175,7 +175,7 @@ class _FusedProcessor(PostprocessProcessor):
 
     def _set_options(
         self, temperature: Union[float, torch.Tensor], ignore_index: int, chunk_size: Optional[int],
-        backend: str, batch_invariant: bool = False,
+        backend: str, batch_invariant: bool = True,
     ) -> None:
         _check_options(temperature, ignore_index, chunk_size, backend)
         _check_flag("batch_invariant", batch_invariant)
@@ -354,7 +354,8 @@ class FusedLogprobProcessor(_FusedProcessor):
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
         batch_invariant: each token's results and hidden-state gradient bitwise independent
-            of the other tokens in the call (fixed-shape 2048-token blocks; see
+            of the other tokens in the call (the default; False opts out, faster only on the
+            torch backend and past 2 tensor-parallel ranks; see
             :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
         kept_set: None (the full vocabulary), ``"replay"`` (renormalise over the rollout's
             sampling mask, :meth:`sampling_mask`) or a
@@ -370,7 +371,7 @@ class FusedLogprobProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
-        batch_invariant: bool = False,
+        batch_invariant: bool = True,
         kept_set: KeptSet = None,
     ) -> None:
         self._set_options(temperature, ignore_index, chunk_size, backend, batch_invariant)
@@ -400,7 +401,8 @@ class EntropyProcessor(_FusedProcessor):
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
         batch_invariant: each token's results and hidden-state gradient bitwise independent
-            of the other tokens in the call (fixed-shape 2048-token blocks; see
+            of the other tokens in the call (the default; False opts out, faster only on the
+            torch backend and past 2 tensor-parallel ranks; see
             :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
     """
 
@@ -412,7 +414,7 @@ class EntropyProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
-        batch_invariant: bool = False,
+        batch_invariant: bool = True,
     ) -> None:
         _check_flag("mask_from_labels", mask_from_labels)
         self._set_options(temperature, ignore_index, chunk_size, backend, batch_invariant)
@@ -442,7 +444,8 @@ class LogprobEntropyProcessor(_FusedProcessor):
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
         batch_invariant: each token's results and hidden-state gradient bitwise independent
-            of the other tokens in the call (fixed-shape 2048-token blocks; see
+            of the other tokens in the call (the default; False opts out, faster only on the
+            torch backend and past 2 tensor-parallel ranks; see
             :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
         kept_set: None (the full vocabulary), ``"replay"`` (renormalise over the rollout's
             sampling mask, :meth:`sampling_mask`) or a
@@ -459,7 +462,7 @@ class LogprobEntropyProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
-        batch_invariant: bool = False,
+        batch_invariant: bool = True,
         kept_set: KeptSet = None,
     ) -> None:
         _check_flag("as_tuple", as_tuple)
@@ -507,7 +510,8 @@ class LinearCEProcessor(_FusedProcessor):
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
         batch_invariant: each token's results and hidden-state gradient bitwise independent
-            of the other tokens in the call (fixed-shape 2048-token blocks; see
+            of the other tokens in the call (the default; False opts out, faster only on the
+            torch backend and past 2 tensor-parallel ranks; see
             :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
         upstream_grad: the reduced loss's gradient in the backward, declared where the output
             weight's gradient goes into Megatron's ``main_grad``: as
@@ -522,7 +526,7 @@ class LinearCEProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
-        batch_invariant: bool = False,
+        batch_invariant: bool = True,
         upstream_grad: Optional[float] = None,
     ) -> None:
         if reduction not in ("none", "sum", "mean"):
@@ -581,8 +585,11 @@ class PolicyLossProcessor(_FusedProcessor):
         chunk_size: tokens per chunk (None: the backend's default budget).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         batch_invariant: each token's results and hidden-state gradient bitwise independent
-            of the other tokens in the call (fixed-shape 2048-token blocks; see
-            :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
+            of the other tokens in the call (the default; False opts out, faster only on the
+            torch backend and past 2 tensor-parallel ranks; see
+            :func:`~mcore_hooks.kernels.linear_logprob_entropy`). The gradient: where a token's
+            weight does not follow the batch (``"token-sum"``); a mean divides every token's
+            gradient by the call's count.
         upstream_grad: where the output weight's gradient goes into Megatron's ``main_grad``
             (``gradient_accumulation_fusion``), the gradient the returned loss will receive in
             the backward, declared so that the gradients are formed in the forward (6NHV) rather
@@ -612,7 +619,7 @@ class PolicyLossProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
-        batch_invariant: bool = False,
+        batch_invariant: bool = True,
         upstream_grad: Optional[float] = None,
         kept_set: KeptSet = None,
     ) -> None:
@@ -708,7 +715,7 @@ class SelectedLogprobProcessor(_FusedProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
-        batch_invariant: bool = False,
+        batch_invariant: bool = True,
     ) -> None:
         _check_flag("with_label", with_label)
         self._set_options(temperature, ignore_index, chunk_size, backend, batch_invariant)
@@ -790,7 +797,7 @@ class TopKDistillationProcessor(SelectedLogprobProcessor):
         ignore_index: int = -100,
         chunk_size: Optional[int] = None,
         backend: str = "auto",
-        batch_invariant: bool = False,
+        batch_invariant: bool = True,
     ) -> None:
         if kl_type not in ("forward", "reverse", "mixed"):
             raise ValueError(f"kl_type: expected 'forward', 'reverse' or 'mixed', got {kl_type!r}")
