@@ -192,7 +192,8 @@ def compare_tma(x, w, coef, label, flop, ceiling) -> None:
 
 def profile_ce(x, w, label, flop, ceiling) -> None:
     """linear_cross_entropy fwd+bwd per chunk budget, and its parts per chunk (x chunk count)."""
-    from mcore_hooks.kernels import _fused_chunk_size, linear_cross_entropy
+    from mcore_hooks.kernels import linear_cross_entropy
+    from mcore_hooks.kernels.arguments import _fused_chunk_size
 
     n, h = x.shape
     v = w.shape[0]

@@ -322,13 +322,12 @@ def test_triton_tiles_are_chosen_by_compute_capability_and_shared_memory(capabil
 def test_backend_in_use_is_visible(caplog, monkeypatch):
     import logging
 
-    from mcore_hooks import kernels
-    from mcore_hooks.kernels import backend_for, triton_fused
+    from mcore_hooks.kernels import arguments, backend_for, triton_fused
 
     assert backend_for(torch.float32, "cpu") == "torch"
     with pytest.raises(ValueError, match="backend: expected one of"):
         backend_for(torch.float32, "cpu", "fast")
-    kernels._log_choice.cache_clear()
+    arguments._log_choice.cache_clear()
     with caplog.at_level(logging.INFO, logger="mcore_hooks.kernels"):
         linear_logprob_entropy(torch.randn(2, 4), torch.randn(3, 4))
     assert "backend='auto' runs torch for torch.float32 inputs on cpu" in caplog.text
