@@ -1,7 +1,7 @@
 """Rollout parity on one GPU: time, peak memory and accuracy (vs float64) of each path, against the
 plain fused log-prob of the same tokens, the stock unfused path (full logits, then the mask) and,
 where importable, Liger 0.8.5's scaled cross-entropy with ``selected_token_ids``; then the batch
-variance of the plain path and the batch-invariant mode's cost.
+variance of the plain path and ``batch_invariant=True``'s cost (the default since issue 32).
 
     python benchmarks/bench_rollout.py [--tokens 8192] [--hidden 4096] [--vocab 151936] [--quick]
 
@@ -211,7 +211,7 @@ def _liger(x, w, y, teacher, xg, wg, rows, record):
 
 def _invariance(h, v, rep):
     """The plain path's batch variance (the same 7 tokens' log-probs in calls of 7 to 16384
-    tokens) and the batch-invariant mode's cost, both backends."""
+    tokens) and ``batch_invariant=True``'s cost, both backends."""
     import triton.testing
 
     from mcore_hooks.kernels import linear_logprob_entropy

@@ -1,5 +1,5 @@
-"""Where the batch-invariant mode's cost goes, and which parts of the default path vary with the
-batch (one GPU; issue 32).
+"""Where batch invariance's cost goes (``batch_invariant=True``: a mode, then the default), and
+which parts of the Triton path vary with the batch (one GPU; issue 32).
 
     python benchmarks/profile_invariant.py [--hidden 4096] [--vocab 151936] [--out DIR]
 

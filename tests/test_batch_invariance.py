@@ -19,7 +19,7 @@ from mcore_hooks.kernels import (
     linear_logprob_entropy,
     linear_policy_loss,
 )
-from mcore_hooks.kernels.invariant import block_rows
+from mcore_hooks.kernels.invariant import InvariantBlocks, block_rows
 from mcore_hooks.testing import hook_keywords
 
 H, V, PROBE = 256, 1000, 7
@@ -122,9 +122,10 @@ def test_a_call_split_at_a_block_boundary_adds_the_same_bits_into_main_grad():
     assert torch.equal(whole, parts)
 
 
-def _every_processor():
-    """Every bundled processor and integration, default options (a loss summed over tokens:
-    no token's weight follows the batch), with the context it reads (``[b, s, ...]``)."""
+def _every_processor(**opts):
+    """Every bundled processor and integration, default options but ``opts`` (a loss summed
+    over tokens: no token's weight follows the batch), with the context it reads
+    (``[b, s, ...]``)."""
     from mcore_hooks import (EntropyProcessor, LinearCEProcessor, PolicyLossProcessor,
                              SelectedLogprobProcessor, TopKDistillationProcessor, Truncation)
     from mcore_hooks.integrations.nemo_rl import NemoRLLogprobProcessor
@@ -137,41 +138,42 @@ def _every_processor():
     teacher = torch.log_softmax(torch.randn(b, s, 4, generator=g), -1)
     policy = {"old_logprobs": -3 * torch.rand(b, s, generator=g), "advantages": torch.randn(b, s, generator=g)}
     return [
-        (FusedLogprobProcessor(), None),
-        (FusedLogprobProcessor(kept_set=Truncation(top_k=8, top_p=0.9)), None),
-        (EntropyProcessor(), None),
-        (LogprobEntropyProcessor(), None),
-        (LinearCEProcessor(reduction="sum"), None),
-        (PolicyLossProcessor(loss=PolicyLoss(entropy_coef=0.01), aggregation="token-sum"), policy),
-        (SelectedLogprobProcessor(with_label=True), {"selected_ids": ids}),
-        (TopKDistillationProcessor(aggregation="token-sum"), {"teacher_ids": ids, "teacher_logprobs": teacher}),
-        (VerlFusedProcessor(), FusedOutputProcessorContext(temperature=0.8)),
-        (NemoRLLogprobProcessor(), None),
+        (FusedLogprobProcessor(**opts), None),
+        (FusedLogprobProcessor(kept_set=Truncation(top_k=8, top_p=0.9), **opts), None),
+        (EntropyProcessor(**opts), None),
+        (LogprobEntropyProcessor(**opts), None),
+        (LinearCEProcessor(reduction="sum", **opts), None),
+        (PolicyLossProcessor(loss=PolicyLoss(entropy_coef=0.01), aggregation="token-sum", **opts), policy),
+        (SelectedLogprobProcessor(with_label=True, **opts), {"selected_ids": ids}),
+        (TopKDistillationProcessor(aggregation="token-sum", **opts),
+         {"teacher_ids": ids, "teacher_logprobs": teacher}),
+        (VerlFusedProcessor(**opts), FusedOutputProcessorContext(temperature=0.8)),
+        (NemoRLLogprobProcessor(**opts), None),
     ]
 
 
-def _per_sample(out, b: int) -> list:
-    """A processor's per-token outputs, sample axis first (``[b, ...]``; verl's flattened
-    ``[b * s]`` made ``[b, s]``), and what to differentiate (they and any scalar loss)."""
+def _per_sample(out, b: int) -> tuple[list, torch.Tensor]:
+    """Every tensor a processor returns with a sample axis first (``[b, ...]``; verl's flattened
+    ``[b * s]`` made ``[b, s]``; bool ones too), and what to differentiate (the float ones and
+    any scalar loss). Anything else it returns fails the test: nothing is dropped unseen."""
     if isinstance(out, torch.Tensor):
         parts = [out]
     elif isinstance(out, dict):
         parts = list(out.values())
     elif isinstance(out, tuple):
         parts = list(out)
-    else:  # verl's output object
+    else:  # verl's output object: its per-token fields (hidden_states is the hook's input)
         parts = [out.log_probs, out.entropy]
-    tensors = [p for p in parts if isinstance(p, torch.Tensor) and p.is_floating_point()]
-    per = [p.view(b, -1) if p.dim() == 1 else p for p in tensors if p.dim() >= 1]  # not a scalar loss
-    return per, sum(p.float().sum() for p in tensors if p.requires_grad)
+    parts = [p for p in parts if p is not None]
+    assert all(isinstance(p, torch.Tensor) for p in parts), [type(p).__name__ for p in parts]
+    per = [p.view(b, -1) if p.dim() == 1 else p for p in parts if p.dim() >= 1]
+    assert all(p.dim() >= 1 or p.is_floating_point() for p in parts)  # a scalar: the loss
+    return per, sum(p.float().sum() for p in parts if p.requires_grad)
 
 
-def test_every_processor_through_the_hook_is_batch_invariant_by_default():
-    """The default options, on the CPU (the torch backend): each sample's outputs and its rows
-    of the hidden states' gradient are the same bits alone, first, last or in the middle of 40
-    samples, for every bundled processor and integration. (At this shape this machine's MKL
-    formed a row of ``x @ W.T`` differently at 6 or 7 rows than at 240: with
-    ``batch_invariant=False`` the processors' results moved.)"""
+def _through_the_hook(processors) -> list[list[str]]:
+    """For each processor, which samples' outputs or hidden-state gradient rows differ between
+    the whole call of 40 samples and calls of fewer (alone, first, last, in the middle)."""
     b, s = 40, 6
     h, v = WIDE
     g = torch.Generator().manual_seed(3)
@@ -180,37 +182,59 @@ def test_every_processor_through_the_hook_is_batch_invariant_by_default():
     labels = torch.randint(0, v, (b, s), generator=g)
 
     def run(processor, context, samples):
-        h = hidden[:, samples].clone().requires_grad_()
-        ctx = context
-        if isinstance(context, dict):
-            ctx = {k: t[samples] for k, t in context.items()}
-        kw = hook_keywords(h, layer, labels=labels[samples], input_ids=labels[samples], context=ctx)
-        out = processor(**kw)
-        n = h.shape[1]
-        per, loss = _per_sample(out, n)
+        hs = hidden[:, samples].clone().requires_grad_()
+        ctx = {k: t[samples] for k, t in context.items()} if isinstance(context, dict) else context
+        kw = hook_keywords(hs, layer, labels=labels[samples], input_ids=labels[samples], context=ctx)
+        per, loss = _per_sample(processor(**kw), hs.shape[1])
         loss.backward()
-        return [p.detach() for p in per] + [h.grad.transpose(0, 1)]
+        return [p.detach() for p in per] + [hs.grad.transpose(0, 1)]
 
-    for processor, context in _every_processor():
+    differs = []
+    for processor, context in processors:
         whole = run(processor, context, slice(0, b))
+        moved = []
         for i, part in ((0, slice(0, 1)), (0, slice(0, 7)), (39, slice(39, 40)), (6, slice(0, 7)),
                         (20, slice(13, 33))):
             got = run(processor, context, part)
+            assert len(got) == len(whole)
             j = i - part.start
-            assert all(torch.equal(a[i], c[j]) for a, c in zip(whole, got)), (type(processor).__name__, i, part)
+            moved += [f"sample {i} of {part}, output {k}" for k, (a, c) in enumerate(zip(whole, got))
+                      if not torch.equal(a[i], c[j])]
+        differs.append(moved)
+    return differs
 
 
-def test_the_opt_out_is_taken_and_checked():
-    """``batch_invariant=False`` runs on the call's own shapes (within the usual bounds: the
-    exactness tests take both settings); a non-bool is refused before anything runs."""
+def test_every_processor_through_the_hook_is_batch_invariant_by_default():
+    """The default options, on the CPU (the torch backend): each sample's outputs and its rows
+    of the hidden states' gradient are the same bits alone, first, last or in the middle of 40
+    samples, for every bundled processor and integration. Where this machine's BLAS forms a row
+    of ``x @ W.T`` differently with fewer rows (this one's MKL did at 6 rows against 240), the
+    opt-out must move some result: the control that the default's blocks are what hold."""
+    for (processor, _), moved in zip(_every_processor(), _through_the_hook(_every_processor())):
+        assert not moved, (type(processor).__name__, moved)
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(240, WIDE[0], generator=g), torch.randn(WIDE[1], WIDE[0], generator=g)
+    if not torch.equal((x[:6] @ w.t())[0], (x @ w.t())[0]):
+        assert any(_through_the_hook(_every_processor(batch_invariant=False)))
+
+
+def test_the_opt_out_is_taken_and_checked(monkeypatch):
+    """``batch_invariant=False`` reaches the kernels: the torch backend runs on the call's own
+    shapes, no fixed blocks; a non-bool is refused before anything runs."""
+    from mcore_hooks.kernels import ops
+
+    names = []
+    real = ops._backend
+    monkeypatch.setattr(ops, "_backend", lambda name, device: names.append(name) or real(name, device))
     g = torch.Generator().manual_seed(3)
     layer = torch.nn.Linear(H, V, bias=False)
-    hidden = torch.randn(40, 1, H, generator=g)
-    labels = torch.randint(0, V, (1, 40), generator=g)
-    kw = hook_keywords(hidden, layer, labels=labels)
-    on = LogprobEntropyProcessor()(**kw)["logprobs"]
-    off = LogprobEntropyProcessor(batch_invariant=False)(**kw)["logprobs"]
-    torch.testing.assert_close(on, off, rtol=0, atol=1e-5)
+    kw = hook_keywords(torch.randn(40, 1, H, generator=g), layer,
+                       labels=torch.randint(0, V, (1, 40), generator=g))
+    LogprobEntropyProcessor(batch_invariant=False)(**kw)
+    LogprobEntropyProcessor()(**kw)
+    assert names == ["torch", "torch+invariant"]
+    assert not isinstance(real("torch", torch.device("cpu")), InvariantBlocks)
+    assert isinstance(real("torch+invariant", torch.device("cpu")), InvariantBlocks)
     with pytest.raises(TypeError, match="batch_invariant: expected True or False"):
         FusedLogprobProcessor(batch_invariant="yes")
 
@@ -258,7 +282,7 @@ def _tp_rank(rank: int, world: int) -> list[str]:
 
 def test_a_tokens_results_do_not_depend_on_the_rest_of_the_call_over_four_ranks():
     """Tensor parallelism of 4 (gloo): the statistics' and dX's sums over the ranks are added
-    in rank order in the batch-invariant mode. A collective's own order depends on the message
+    in rank order with batch invariance (the default). A collective's own order depends on the message
     size and the element's place in it (with 4 ranks the probes' dX rows differed in their last
     bits without this)."""
     for rank, differs in enumerate(run_gloo_ranks(_tp_rank, 4)):
@@ -266,7 +290,7 @@ def test_a_tokens_results_do_not_depend_on_the_rest_of_the_call_over_four_ranks(
 
 
 def _ordered_sums(rank: int, world: int) -> tuple:
-    """Order-sensitive terms (magnitudes 1e-3 to 1e8) summed by the invariant mode's two
+    """Order-sensitive terms (magnitudes 1e-3 to 1e8) summed by batch invariance's two
     reductions; ``[13, 3]``: not a multiple of the group's size (padded)."""
     from mcore_hooks.kernels import autograd as ag
 

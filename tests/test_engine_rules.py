@@ -210,7 +210,7 @@ def _data(seed=0, dtype=F32):
     return x, w, labels
 
 
-@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
+@pytest.mark.parametrize("invariant", [False, True], ids=["opted-out", "batch-invariant"])
 @pytest.mark.parametrize("none", [True, False], ids=["some-without-top-k", "narrow"])
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_per_token_options_through_the_kernels_match_float64_over_the_engines_set(engine, none, invariant):

@@ -407,11 +407,11 @@ def test_a_double_backward_through_the_fused_losses_raises(case):
         (loss + dx.square().sum()).backward()
 
 
-@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
+@pytest.mark.parametrize("invariant", [False, True], ids=["opted-out", "batch-invariant"])
 def test_a_call_with_no_tokens_gives_empty_results_and_zero_gradients(invariant):
     """``[0, H]`` hidden states (an empty micro-batch or shard) through every entry point and
     option: empty per-token results, a zero loss, and zero gradients for the hidden states and
-    the weight (the weight's hooks still run), in the default and the batch-invariant modes."""
+    the weight (the weight's hooks still run), batch-invariant (the default) and opted out."""
     from mcore_hooks.kernels import (Truncation, linear_cross_entropy, linear_logprob_entropy,
                                      linear_policy_loss)
 

@@ -123,7 +123,7 @@ def _count_gathered_dots(monkeypatch):
 # the last: 3 ids and the label a token over 4200 words are gathered (4 * 1024 <= V: the
 # Triton dot kernel); the others' logits come from dense products
 @pytest.mark.parametrize("shape", SHAPES + [(33, 300, 4200)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("invariant", [False, True], ids=["plain", "batch-invariant"])
+@pytest.mark.parametrize("invariant", [False, True], ids=["opted-out", "batch-invariant"])
 def test_triton_selected_ids_match_torch_backend_and_float64(shape, dtype, invariant, monkeypatch):
     """The given ids' gradients written over the Triton logit-gradient tiles (``extra``), and
     added in the torch backend's: values and gradients against float64 and the torch backend."""
@@ -160,7 +160,7 @@ def test_triton_selected_ids_match_torch_backend_and_float64(shape, dtype, invar
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("invariant", [False, True], ids=["plain", "batch-invariant"])
+@pytest.mark.parametrize("invariant", [False, True], ids=["opted-out", "batch-invariant"])
 def test_triton_kept_set_logits_from_the_dot_kernel(dtype, invariant, monkeypatch):
     """A kept set of 4 ids a token over 1100 words (4 * 256 <= V): the Triton backend takes the
     ids' logits from its gathered-dot kernel (the torch backend from a dense product). The

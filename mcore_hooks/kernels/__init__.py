@@ -124,14 +124,15 @@ def linear_logprob_entropy(
         batch_invariant: each token's results and its row of the hidden states' gradient
             bitwise independent of the other tokens in the call, of their number and of the
             chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
-            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are; the
-            torch backend, and the BLAS products of either (wide id sets, the truncation's
+            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (the
+            log-prob backward's dX rows: cuBLAS's, measured so, not promised); the torch
+            backend, and the BLAS products of either (wide id sets, the truncation's
             statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU
-            (their weight gradients added into one float32 buffer in order); sums over more
-            than 2 tensor-parallel ranks are added in rank order, in float32, after an
-            all-to-all of their terms. ``False`` leaves the torch backend to the call's shapes
-            and those sums to the collectives (faster for a call far smaller than a block, and
-            past 2 ranks). ``benchmarks/RESULTS.md`` has the cost.
+            (the torch backend's weight gradients added into one float32 buffer in order);
+            kept sets are padded to 16 columns; sums over more than 2 tensor-parallel ranks
+            are added in rank order, in float32, after an all-to-all of their terms. ``False``
+            drops the blocks, the padding and the ordered sums (faster for a call far smaller
+            than a block, and past 2 ranks). ``benchmarks/RESULTS.md`` has the cost.
 
     Returns:
         :class:`LogprobEntropy`: float32 ``[N]`` log-probs (None without labels) and entropies,
@@ -310,14 +311,15 @@ def linear_cross_entropy(
         batch_invariant: each token's results and its row of the hidden states' gradient
             bitwise independent of the other tokens in the call, of their number and of the
             chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
-            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are; the
-            torch backend, and the BLAS products of either (wide id sets, the truncation's
+            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (the
+            log-prob backward's dX rows: cuBLAS's, measured so, not promised); the torch
+            backend, and the BLAS products of either (wide id sets, the truncation's
             statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU
-            (their weight gradients added into one float32 buffer in order); sums over more
-            than 2 tensor-parallel ranks are added in rank order, in float32, after an
-            all-to-all of their terms. ``False`` leaves the torch backend to the call's shapes
-            and those sums to the collectives (faster for a call far smaller than a block, and
-            past 2 ranks). ``benchmarks/RESULTS.md`` has the cost.
+            (the torch backend's weight gradients added into one float32 buffer in order);
+            kept sets are padded to 16 columns; sums over more than 2 tensor-parallel ranks
+            are added in rank order, in float32, after an all-to-all of their terms. ``False``
+            drops the blocks, the padding and the ordered sums (faster for a call far smaller
+            than a block, and past 2 ranks). ``benchmarks/RESULTS.md`` has the cost.
 
     Returns:
         The float32 scalar loss.
@@ -402,14 +404,15 @@ def linear_policy_loss(
         batch_invariant: each token's results and its row of the hidden states' gradient
             bitwise independent of the other tokens in the call, of their number and of the
             chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
-            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are; the
-            torch backend, and the BLAS products of either (wide id sets, the truncation's
+            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (the
+            log-prob backward's dX rows: cuBLAS's, measured so, not promised); the torch
+            backend, and the BLAS products of either (wide id sets, the truncation's
             statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU
-            (their weight gradients added into one float32 buffer in order); sums over more
-            than 2 tensor-parallel ranks are added in rank order, in float32, after an
-            all-to-all of their terms. ``False`` leaves the torch backend to the call's shapes
-            and those sums to the collectives (faster for a call far smaller than a block, and
-            past 2 ranks). ``benchmarks/RESULTS.md`` has the cost.
+            (the torch backend's weight gradients added into one float32 buffer in order);
+            kept sets are padded to 16 columns; sums over more than 2 tensor-parallel ranks
+            are added in rank order, in float32, after an all-to-all of their terms. ``False``
+            drops the blocks, the padding and the ordered sums (faster for a call far smaller
+            than a block, and past 2 ranks). ``benchmarks/RESULTS.md`` has the cost.
 
     Returns:
         :class:`PolicyLossResult`: the float32 scalar loss, and detached float32 ``[N]``

@@ -79,6 +79,12 @@ def _vocab_chunks(n: int, v_local: int, itemsize: int) -> list[tuple[int, int]]:
     return [(v0, min(v0 + width, v_local)) for v0 in range(0, v_local, width)]
 
 
+def _fixed_gather(chunk_size: int, device: torch.device) -> int:
+    """The gathers' padded token count under batch invariance: their chunk, at most the device's
+    block (a small CPU call pads to 64 tokens, not to a chunk of thousands)."""
+    return min(chunk_size, block_rows(device))
+
+
 def _token_blocks(n: int, fixed: bool, rows: int) -> list[tuple[int, int]]:
     return [(s, min(s + rows, n)) for s in range(0, n, rows)] if fixed else [(0, n)]
 
@@ -98,8 +104,8 @@ def candidate_logits(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, 
     """Float32 ``[N, K]`` logits ``coef * x . W[id]`` of the ids this rank owns, 0 elsewhere:
     gathered, or for a wide ``K`` (:func:`gathers`) the columns of a dense product over the
     vocabulary. ``fixed`` (batch invariance): every product over a fixed number of tokens
-    (padded): ``chunk_size`` for the gather, the device's block (``invariant.block_rows``) for
-    the dense product.
+    (padded): ``chunk_size`` for the gather (at most the device's block,
+    ``invariant.block_rows``), the device's block for the dense product.
     ``dots``: a backend's gathered dot products (``Backend.gathered_dots``), used up to
     ``K = V / 256`` where the backend gives them (per token: invariant as they are)."""
     n, k = ids.shape
@@ -120,6 +126,8 @@ def candidate_logits(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, 
                 o.copy_(torch.where(inside, z.gather(1, cols), o))
             o.mul_(coef[start:end].unsqueeze(1))
         return out
+    if fixed:
+        chunk_size = _fixed_gather(chunk_size, x.device)
     for start in range(0, n, chunk_size):
         end = min(start + chunk_size, n)
         r = _chunk(rows, start, end, chunk_size, fixed, 0)
@@ -163,6 +171,8 @@ def candidate_grads(x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, i
         else:
             dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
     if gather:
+        if fixed:
+            chunk_size = _fixed_gather(chunk_size, x.device)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             dzc, r = _chunk(dz, start, end, chunk_size, fixed, 0), _chunk(rows, start, end, chunk_size, fixed, 0)

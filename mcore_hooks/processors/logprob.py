@@ -26,8 +26,9 @@ class FusedLogprobProcessor(_FusedProcessor):
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
         batch_invariant: each token's results and hidden-state gradient bitwise independent
-            of the other tokens in the call (the default; False opts out, faster only on the
-            torch backend and past 2 tensor-parallel ranks; see
+            of the other tokens in the call (the default; False opts out, faster only where
+            fixed blocks or padding remain: the torch backend, a recomputed truncation, kept
+            sets and wide id sets, and past 2 tensor-parallel ranks; see
             :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
         kept_set: None (the full vocabulary), ``"replay"`` (renormalise over the rollout's
             sampling mask, :meth:`sampling_mask`) or a
@@ -73,8 +74,9 @@ class EntropyProcessor(_FusedProcessor):
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
         batch_invariant: each token's results and hidden-state gradient bitwise independent
-            of the other tokens in the call (the default; False opts out, faster only on the
-            torch backend and past 2 tensor-parallel ranks; see
+            of the other tokens in the call (the default; False opts out, faster only where
+            fixed blocks or padding remain: the torch backend, a recomputed truncation, kept
+            sets and wide id sets, and past 2 tensor-parallel ranks; see
             :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
     """
 
@@ -116,8 +118,9 @@ class LogprobEntropyProcessor(_FusedProcessor):
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
         batch_invariant: each token's results and hidden-state gradient bitwise independent
-            of the other tokens in the call (the default; False opts out, faster only on the
-            torch backend and past 2 tensor-parallel ranks; see
+            of the other tokens in the call (the default; False opts out, faster only where
+            fixed blocks or padding remain: the torch backend, a recomputed truncation, kept
+            sets and wide id sets, and past 2 tensor-parallel ranks; see
             :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
         kept_set: None (the full vocabulary), ``"replay"`` (renormalise over the rollout's
             sampling mask, :meth:`sampling_mask`) or a

@@ -59,8 +59,9 @@ class LinearCEProcessor(_FusedProcessor):
         backend: ``"auto"`` (Triton for bf16/fp16 on a CUDA GPU it has tiles for, else torch),
             ``"torch"`` or ``"triton"``.
         batch_invariant: each token's results and hidden-state gradient bitwise independent
-            of the other tokens in the call (the default; False opts out, faster only on the
-            torch backend and past 2 tensor-parallel ranks; see
+            of the other tokens in the call (the default; False opts out, faster only where
+            fixed blocks or padding remain: the torch backend, a recomputed truncation, kept
+            sets and wide id sets, and past 2 tensor-parallel ranks; see
             :func:`~mcore_hooks.kernels.linear_logprob_entropy`).
         upstream_grad: the reduced loss's gradient in the backward, declared where the output
             weight's gradient goes into Megatron's ``main_grad``: as
@@ -134,8 +135,9 @@ class PolicyLossProcessor(_FusedProcessor):
         chunk_size: tokens per chunk (None: the backend's default budget).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         batch_invariant: each token's results and hidden-state gradient bitwise independent
-            of the other tokens in the call (the default; False opts out, faster only on the
-            torch backend and past 2 tensor-parallel ranks; see
+            of the other tokens in the call (the default; False opts out, faster only where
+            fixed blocks or padding remain: the torch backend, a recomputed truncation, kept
+            sets and wide id sets, and past 2 tensor-parallel ranks; see
             :func:`~mcore_hooks.kernels.linear_logprob_entropy`). The gradient: where a token's
             weight does not follow the batch (``"token-sum"``); a mean divides every token's
             gradient by the call's count.
