@@ -4,7 +4,8 @@ A GEMM library picks its algorithm (tiles, split-K) by shape, so the same token'
 summed in another order when the call holds more or fewer tokens (up to 1.9e-6 in a log-prob,
 measured on an H200 between 7 and 16384 tokens, before the Triton backend's kernels made its
 own paths invariant). The Triton backend's passes sum each token in one order by construction
-and run as they are; what goes through a BLAS does not: the torch backend's passes, and on
+(the log-prob backward's dX rows: cuBLAS's, the same at every number of rows as measured) and run
+as they are; what else goes through a BLAS does not: the torch backend's passes, and on
 either backend the dense products of wide id sets and the truncation's top-k statistics
 (:mod:`.candidates`, ``ops.top_k_ids``). :class:`InvariantBlocks` gives those the same
 shapes whatever the call: the tokens are cut into blocks of :func:`block_rows` (2048 on a GPU,
@@ -38,8 +39,8 @@ from .autograd import Backend, FusedLoss, LocalStats
 
 # Tokens per block on a GPU: one block's GEMMs run near peak (an H100/H200).
 BLOCK = 2048
-# On the CPU: the BLAS runs near its peak from a few dozen rows, and a small call (a test, a
-# debugging session) pays for at most 63 padding rows, not 2047.
+# On the CPU: a small call (a test, a debugging session) pays for at most 63 padding rows, not
+# 2047 (the CPU test suite took 1.5% longer with these blocks on: benchmarks/RESULTS.md).
 CPU_BLOCK = 64
 
 
