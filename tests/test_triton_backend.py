@@ -208,11 +208,21 @@ def _run_ce(backend, x, w, labels, token_weight, temperature, grad_out, **kw):
     return loss.detach(), x.grad, w.grad
 
 
+@pytest.fixture(params=["in-forward", "in-backward"])
+def route(request, monkeypatch):
+    """Where a fused loss forms its gradients on Triton, chosen there by the hidden size
+    (``TritonFused.forward_gradients_min_hidden``): both routes at these small shapes."""
+    monkeypatch.setattr(triton_fused.TritonFused, "forward_gradients_min_hidden",
+                        0 if request.param == "in-forward" else 1 << 30)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("chunk", [None, 16])
-def test_triton_cross_entropy_matches_torch_backend(shape, dtype, chunk):
-    """The reduced cross-entropy's row passes (stats, logit gradient) on Triton against torch's."""
+def test_triton_cross_entropy_matches_torch_backend(shape, dtype, chunk, route):
+    """The reduced cross-entropy on Triton against torch's, by either route (the row passes'
+    kernel over materialised logits, or the statistics pass and its backward)."""
     n, h, v = shape
     g = torch.Generator().manual_seed(7)
     x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
@@ -233,8 +243,10 @@ def test_triton_cross_entropy_matches_torch_backend(shape, dtype, chunk):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
-def test_triton_policy_loss_matches_torch_backend(shape, dtype, entropy_coef):
-    """The policy loss's row passes (with and without the entropy term) on Triton against torch's."""
+def test_triton_policy_loss_matches_torch_backend(shape, dtype, entropy_coef, route):
+    """The policy loss (with and without the entropy term) on Triton against torch's, by
+    either route (the terms and their derivatives in the row kernel, or in the per-token
+    kernel after the statistics pass)."""
     from mcore_hooks.kernels import PolicyLoss, linear_policy_loss
 
     n, h, v = shape
@@ -264,14 +276,14 @@ def test_triton_policy_loss_matches_torch_backend(shape, dtype, entropy_coef):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "token-slices"])
-def test_triton_adds_the_weight_gradient_into_an_accumulator(dtype, sliced, monkeypatch):
-    """The backward's dW chunks added into a float32 accumulator (Megatron's main_grad) equal the
-    dW it returns otherwise, to the latter's rounding to the input dtype; also when the tokens
-    are taken in slices (128 rows here) to bound the backward's memory."""
-    n, h, v = (1024, 256, 5003) if ON_GPU else (300, 32, 200)
-    if sliced:
-        monkeypatch.setattr(triton_fused, "_MAIN_GRAD_BYTES", 128 * h * (2 + 4))
+@pytest.mark.parametrize("chunked", [False, True], ids=["one-chunk", "vocab-chunks"])
+def test_triton_adds_the_weight_gradient_into_an_accumulator(dtype, chunked, monkeypatch):
+    """The backward's dW added into a float32 accumulator (Megatron's main_grad) equals the dW
+    it returns otherwise, to the latter's rounding to the input dtype, and dX is the same bits;
+    also when a small memory budget cuts the vocabulary into chunks (of 256 columns here)."""
+    n, h, v = (1024, 256, 5003) if ON_GPU else (300, 32, 1100)
+    if chunked:
+        monkeypatch.setattr(triton_fused, "_BWD_CHUNK_BYTES", n * 256 * 2)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
     w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
@@ -287,17 +299,39 @@ def test_triton_adds_the_weight_gradient_into_an_accumulator(dtype, sliced, monk
     acc = torch.ones(v, h, device=DEVICE)
     dx2, none = run(weight_grad_accumulator=acc)
     assert none is None
-    # with an accumulator the vocab chunks are at most H wide (they stay inside dX's output) and
-    # the tokens may come in slices: dX is summed in another order, equal to its rounding
-    assert rel(dx2, dx) < GRAD_TOL[dtype] / 8
+    assert torch.equal(dx2, dx)  # the same chunks and products: where dW goes changes nothing
     assert rel(acc - 1, dw) < GRAD_TOL[dtype] / 8
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_triton_fused_loss_adds_a_declared_upstream_gradient_in_the_forward(dtype):
+def test_the_backwards_vocabulary_chunks_leave_dx_the_same_bits(dtype, monkeypatch):
+    """dX's sum over the vocabulary runs tile after tile in one order however the memory budget
+    cuts the vocabulary into chunks (a float32 partial sum carried between them): one chunk,
+    chunks of 256 and 512 columns give a token the same bits, and so do calls of other sizes
+    (whose chunks differ at a given budget)."""
+    n, h, v = (700, 256, 5003) if ON_GPU else (70, 32, 1100)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
+    labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    ones = torch.ones(n, device=DEVICE)
+    runs = []
+    for budget in (None, n * 256 * 2, n * 512 * 2):
+        if budget is not None:
+            monkeypatch.setattr(triton_fused, "_BWD_CHUNK_BYTES", budget)
+        runs.append(_run("triton", x, w, labels, 0.8, ones, ones * 0.5)[2])
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    # the first 9 tokens alone: at this budget their chunks are wider (the budget over fewer rows)
+    alone = _run("triton", x[:9], w, labels[:9], 0.8, ones[:9], ones[:9] * 0.5)[2]
+    assert torch.equal(alone, runs[0][:9])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_fused_loss_adds_a_declared_upstream_gradient_in_the_forward(dtype, route):
     """The policy loss with ``upstream_grad``: ``upstream_grad * dW`` is in the float32
-    accumulator once the forward returns, equal to the weight gradient the loss returns
-    otherwise (to that one's rounding to the input dtype); dX as without."""
+    accumulator once the forward returns (whatever the route the hidden size would choose
+    without it), equal to the weight gradient the loss returns otherwise (to that one's
+    rounding to the input dtype); dX as without (the same bits by the same route)."""
     from mcore_hooks.kernels import PolicyLoss, linear_policy_loss
 
     n, h, v = (1024, 256, 5003) if ON_GPU else (300, 32, 200)
@@ -324,7 +358,64 @@ def test_triton_fused_loss_adds_a_declared_upstream_gradient_in_the_forward(dtyp
     assert rel(acc - 1, wr.grad) < GRAD_TOL[dtype] / 8  # before the backward
     (loss * 0.25).backward()
     assert wd.grad is None
-    assert rel(xd.grad, xr.grad) < 1e-6
+    if route == "in-forward":
+        assert rel(xd.grad, xr.grad) < 1e-6
+    else:  # formed in the backward without the declaration: to the input dtype's rounding
+        assert rel(xd.grad, xr.grad) < GRAD_TOL[dtype] / 8
+
+
+def test_per_token_policy_terms_and_derivatives_match_autograd():
+    """The Triton kernel's PolicyLoss terms and derivatives (written out) against autograd
+    through ``PolicyLoss.__call__`` (the torch backend's): to float32 rounding, and exactly 0
+    where autograd's are (clamps at and past their bounds, ties of the max and the dual clip
+    splitting the gradient, ignored and weight-0 positions, NaN where an input is NaN)."""
+    from mcore_hooks.kernels import PolicyLoss, ops
+    from mcore_hooks.kernels.debug import debug_checks
+
+    g = torch.Generator().manual_seed(12)
+    n = 4000
+    lp = -3 * torch.rand(n, generator=g)
+    ent = 4 * torch.rand(n, generator=g)
+    old = lp + torch.randn(n, generator=g) * torch.tensor([0.0, 0.1, 1.0, 30.0]).repeat(n // 4)
+    adv = torch.randn(n, generator=g)
+    adv[::9] = 0.0  # a1 == a2: the max's tie
+    ref = lp + torch.randn(n, generator=g) * 12  # k3's clamps at +-20 and +-10
+    valid = torch.rand(n, generator=g) > 0.1
+    w = torch.rand(n, generator=g) * (torch.rand(n, generator=g) > 0.1)
+    old[5], adv[7] = float("nan"), float("nan")  # counted NaN inputs: NaN there
+    for cfg in (PolicyLoss(), PolicyLoss(clip_high=0.28, dual_clip=3.0, kl_coef=0.1, entropy_coef=0.01),
+                PolicyLoss(kl_coef=0.05, kl_type="k1", log_ratio_limit=5.0), None):
+        data = None if cfg is None else ops.policy_loss_data(cfg)
+        names = () if cfg is None else cfg.input_names
+        ins = [{"old_logprobs": old, "advantages": adv, "ref_logprobs": ref}[k].to(DEVICE) for k in names]
+        args = [t.to(DEVICE) for t in (lp, ent, valid, w)]
+        with debug_checks(False):  # the NaN inputs are the point: compute, do not refuse
+            got = ops.token_terms(*args, data, ins, "triton")
+            want = ops.token_terms(*args, data, ins, "torch")
+        # Each side is a few float32 roundings of each of the loss's parts (exp's last bit is
+        # numpy's or torch's), which may cancel: the bound is 16 ulps of the parts' magnitudes,
+        # not of the result (float64 here).
+        d64 = [t.double() for t in (lp, ent, old, adv, ref, w)]
+        scale = _policy_parts_magnitude(cfg, *d64)
+        for a, b in zip(got, want):
+            a, b = a.cpu().double(), b.cpu().double()
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a == 0, b == 0)
+            ok = ~b.isnan()
+            assert ((a[ok] - b[ok]).abs() <= 16 * 2.0**-24 * scale[ok]).all()
+
+
+def _policy_parts_magnitude(cfg, lp, ent, old, adv, ref, w):
+    """Per token, ``w`` times the sum of the magnitudes of PolicyLoss's parts and of their
+    derivatives' parts (float64): the scale of float32 rounding in its terms and derivatives."""
+    if cfg is None:
+        return w * (lp.abs() + 1)
+    ratio = (lp - old).clamp(-cfg.log_ratio_limit, cfg.log_ratio_limit).exp().nan_to_num(0.0)
+    parts = adv.nan_to_num(0.0).abs() * ratio.clamp(min=1.0) * (cfg.dual_clip or 1.0)
+    if cfg.kl_coef:
+        d = (ref - lp).clamp(-20, 20)
+        kl = (lp - ref).abs() + 1 if cfg.kl_type == "k1" else d.exp() + d.abs() + 1
+        parts = parts + abs(cfg.kl_coef) * kl
+    return w * (parts + abs(cfg.entropy_coef) * ent)
 
 
 def test_triton_is_deterministic():
@@ -586,21 +677,22 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
     tiles = next(t for t in triton_fused.TILES if t.name == family)
     ptr = {"X": "*bf16", "W": "*bf16", "COEF": "*fp32"}
     fwd = dict(ptr, M="*fp32", S="*fp32", A="*fp32", N="i32", V="i32", H="i32", stride_x="i32",
-               stride_w="i32", stride_p="i32", seg_tiles="i32", segments="i32", segs_per_split="i32", splits="i32")
+               stride_w="i32", stride_p="i32", seg_tiles="i32", segments="i32", segs_per_split="i32", splits="i32",
+               group="i32")
     bwd = dict(ptr, LABEL="*i64", M="*fp32", LOGS="*fp32", ENT="*fp32", G1="*fp32", G2="*fp32",
                DZ="*bf16", N="i32", V="i32", H="i32", v0="i32", Vc="i32", stride_x="i32",
                stride_w="i32", stride_dz="i32")
     logits = dict(X="*bf16", W="*bf16", Z="*fp32", N="i32", V="i32", H="i32", stride_x="i32",
                   stride_w="i32", stride_z="i32")
-    dx = dict(DZ="*bf16", W="*bf16", DX="*fp32", N="i32", H="i32", V="i32", stride_dz="i32",
-              stride_w="i32", stride_dx="i32")
+    dx = dict(DZ="*bf16", W="*bf16", ACC="*fp32", OUT="*bf16", N="i32", H="i32", V="i32",
+              stride_dz="i32", stride_w="i32", stride_acc="i32", stride_out="i32")
     flags = dict(EVEN_K=True, USE_TMA=False)
     return [
         _compiled_shared_memory(triton_kernels._stats_fwd_kernel, fwd, flags, capability, tiles.fwd),
         _compiled_shared_memory(triton_kernels._dlogits_kernel, bwd, flags, capability, tiles.bwd),
         _compiled_shared_memory(triton_kernels._logits_kernel, logits, flags, capability, tiles.fwd),
         _compiled_shared_memory(triton_kernels._hidden_grad_kernel, dx,
-                                dict(flags, GROUP=triton_fused._DX_GROUP), capability, tiles.dx),
+                                dict(flags, GROUP=triton_fused._DX_GROUP, ACC_IN=True), capability, tiles.dx),
     ]
 
 

@@ -475,30 +475,39 @@ def _fused(hidden, weight, p: KernelParams, token_weight: torch.Tensor,
            loss: Union[PolicyLoss, TokenLoss, None], inputs: Mapping[str, torch.Tensor]):
     """(loss, logprob, entropy) of the weighted NLL (``loss`` None), a :class:`PolicyLoss` with
     its ``inputs``, or a bound :class:`TokenLoss`. Gradients formed in the forward where any is
-    needed; with a weight-gradient accumulator and no declared upstream gradient (which scales
-    what is added into it, and is otherwise known only in the backward), the log-prob pass and
-    the terms in torch, the logits recomputed in the backward; without gradients, the log-prob
-    pass alone. The NLL and :class:`PolicyLoss` run as a custom op; a Python function's loss
-    through :class:`~.ops.LinearFusedLoss`."""
+    needed and the backend forms them there at this hidden size
+    (:func:`~.ops.forms_gradients_in_forward`), or an upstream gradient is declared; otherwise
+    (and with a weight-gradient accumulator and no declared upstream gradient, which scales what
+    is added into it and is otherwise known only in the backward) the log-prob pass and the
+    terms, the logits recomputed in the backward; without gradients, the log-prob pass alone.
+    The NLL and :class:`PolicyLoss` run as custom ops; a Python function's loss through
+    :class:`~.ops.LinearFusedLoss`, or autograd over its terms."""
     if p.n == 0:  # an empty micro-batch or shard: a zero loss, zero gradients
         anchor = _zero_anchor(hidden, weight)
         return anchor, anchor.detach().expand(0), anchor.detach().expand(0)
     need_x = hidden.requires_grad and torch.is_grad_enabled()
     need_w = weight.requires_grad and torch.is_grad_enabled()
-    in_forward = p.weight_grad_accumulator is None or p.upstream_grad is not None
+    if p.upstream_grad is not None and p.weight_grad_accumulator is not None:
+        in_forward = True  # declared: the caller asked for the weight's gradient in the forward
+    else:
+        in_forward = (p.weight_grad_accumulator is None
+                      and ops.forms_gradients_in_forward(p.backend, hidden.shape[1]))
     as_data = loss is None or type(loss) is PolicyLoss
+    names = () if loss is None or not as_data else loss.input_names
     if (need_x or need_w) and in_forward and as_data:
-        names = () if loss is None else loss.input_names
         return ops.fused_loss(hidden, weight, p, token_weight, loss, [inputs[k] for k in names],
                               need_x, need_w)
-    token_loss = (WeightedNLL(token_weight) if loss is None
-                  else per_token_loss(loss).bind(token_weight, inputs, p.valid) if as_data else loss)
     if (need_x or need_w) and in_forward:
-        return ops.LinearFusedLoss.apply(hidden, weight, p, token_loss, need_x, need_w)
+        return ops.LinearFusedLoss.apply(hidden, weight, p, loss, need_x, need_w)
     logprob, entropy, _, _ = ops.stats(hidden, weight, p)
-    ent = entropy if token_loss.needs_entropy else None
-    loss = torch.where(p.valid, token_loss.terms(slice(0, p.n), logprob, ent), 0.0).sum()
-    zeros = torch.zeros_like(logprob)
-    return loss, logprob.detach(), entropy.detach() if token_loss.needs_entropy else zeros
-
-
+    if as_data:
+        data = None if loss is None else ops.policy_loss_data(loss)
+        terms = ops.token_terms(logprob, entropy, p.valid, token_weight, data,
+                                [inputs[k] for k in names], p.backend)[0]
+        needs_entropy = loss is not None and loss.needs_entropy
+    else:
+        needs_entropy = loss.needs_entropy
+        ent = entropy if needs_entropy else None
+        terms = torch.where(p.valid, loss.terms(slice(0, p.n), logprob, ent), 0.0)
+    return (terms.sum(), logprob.detach(),
+            entropy.detach() if needs_entropy else torch.zeros_like(logprob))

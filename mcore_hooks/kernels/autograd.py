@@ -255,21 +255,50 @@ class Backend:
         ``out`` (input dtype), rows of ``z``."""
         raise NotImplementedError
 
+    def row_loss(
+        self, z: torch.Tensor, p: KernelParams, rows: slice, local_label: torch.Tensor,
+        token_loss: TokenLoss, dz: Optional[torch.Tensor], loss: torch.Tensor,
+        logprob: torch.Tensor, entropy: Optional[torch.Tensor],
+    ) -> None:
+        """One chunk of a fused loss: the rows ``rows`` of the call, their float32 logits ``z``.
+        Writes their terms (0 where ignored), log-probs and entropies (0 where ignored; where
+        ``entropy`` is not None) into ``loss``, ``logprob``, ``entropy``, and with ``dz`` the
+        terms' logit gradient into it. Here the generic way: statistics (``row_stats``, combined
+        over the group), the terms and their derivatives by autograd, then ``row_grad``; a
+        backend may evaluate a loss given as data (``token_loss.data``) in its own kernel."""
+        coef, valid = p.coef[rows], p.valid[rows]
+        with_entropy = entropy is not None
+        st = combine(self.row_stats(z, coef, local_label, with_entropy), p.group, p.batch_invariant)
+        lp = torch.where(valid, st.logprob(), 0.0)
+        ent = torch.where(valid, st.entropy, 0.0) if with_entropy else None
+        terms, d_lp, d_ent = term_grads(token_loss, rows, lp, ent)
+        # ignored positions: no term, no gradient (where, not a product: NaN-proof)
+        loss.copy_(torch.where(valid, terms, 0.0))
+        logprob.copy_(lp)
+        if entropy is not None:
+            entropy.copy_(ent)
+        if dz is not None:
+            g1 = torch.where(valid, d_lp, 0.0)
+            g2 = None if d_ent is None else torch.where(valid, d_ent, 0.0)
+            self.row_grad(z, coef, local_label, st.max, st.log_s, g1, g2,
+                          st.entropy if g2 is not None else None, dz)
+
     def fused_loss(
         self, x: torch.Tensor, weight: torch.Tensor, p: KernelParams, local_label: torch.Tensor,
         token_loss: TokenLoss, need_x: bool, need_w: bool, dw_sum: Optional[torch.Tensor] = None,
     ) -> FusedLoss:
-        """``sum_i f_i`` of a :class:`TokenLoss` and its gradients, in token chunks: each half
-        chunk's fp32 logits are made (``logits``), reduced to statistics (combined over the TP
-        group), turned into the loss terms and their logit gradient; then dX (``hidden_grad``)
-        and dW (cuBLAS: a sum over tokens) take the chunk's gradient (3 matmuls in all, 6NHV).
-        ``dw_sum``: a float32 buffer dW is added into (and returned) instead of a new one."""
+        """``sum_i f_i`` of a :class:`TokenLoss` and its gradients, in token chunks: each chunk's
+        fp32 logits are made (``logits``; half a chunk at a time where a whole one would pass the
+        budget), turned into statistics, terms and their logit gradient (``row_loss``); then dX
+        (``hidden_grad``) and dW (cuBLAS: a sum over tokens) take the chunk's gradient (3
+        matmuls in all, 6NHV). ``dw_sum``: a float32 buffer dW is added into (and returned)
+        instead of a new one."""
         n, v_local = x.shape[0], weight.shape[0]
         weight = weight.contiguous()  # once, not in each chunk's products
         f32 = dict(dtype=torch.float32, device=x.device)
-        with_entropy = bool(token_loss.needs_entropy)
-        loss, logprob = torch.zeros(n, **f32), torch.zeros(n, **f32)
-        entropy = torch.zeros(n, **f32) if with_entropy else None
+        # every row of these is written by row_loss
+        loss, logprob = torch.empty(n, **f32), torch.empty(n, **f32)
+        entropy = torch.empty(n, **f32) if token_loss.needs_entropy else None
         dx = torch.empty((n, x.shape[1]), **f32) if need_x else None
         # a declared upstream gradient: dW goes straight into the accumulator, scaled by it
         into = p.weight_grad_accumulator if p.upstream_grad is not None else None
@@ -279,9 +308,10 @@ class Backend:
             if need_w and into is None else None
         need_grad = need_x or need_w
         # dz holds `chunk_size` tokens (the K of each dW product: fewer passes over the fp32
-        # accumulator); their fp32 logits are made half a chunk at a time.
+        # accumulator); their fp32 logits are made half a chunk at a time (the chunk is sized
+        # for that), or all at once where the whole call is at most half the budget's chunk.
         c = min(p.chunk_size, n)
-        cz = -(-c // 2)
+        cz = c if 2 * n <= p.chunk_size else -(-c // 2)
         z = torch.empty((cz, v_local), **f32)
         dz = torch.empty((c, v_local), dtype=x.dtype, device=x.device) if need_grad else None
         for start in range(0, n, c):
@@ -289,24 +319,10 @@ class Backend:
             for s0 in range(start, end, cz):
                 s1 = min(s0 + cz, end)
                 rows, zc = slice(s0, s1), z[: s1 - s0]
-                coef, label, valid = p.coef[rows], local_label[rows], p.valid[rows]
                 self.logits(x[rows], weight, zc)
-                st = combine(self.row_stats(zc, coef, label, with_entropy), p.group,
-                             p.batch_invariant)
-                lp = torch.where(valid, st.logprob(), 0.0)
-                ent = torch.where(valid, st.entropy, 0.0) if with_entropy else None
-                terms, d_lp, d_ent = term_grads(token_loss, rows, lp, ent)
-                # ignored positions: no term, no gradient (where, not a product: NaN-proof)
-                loss[rows] = torch.where(valid, terms, 0.0)
-                logprob[rows] = lp
-                if entropy is not None:
-                    entropy[rows] = ent
-                if need_grad:
-                    g1 = torch.where(valid, d_lp, 0.0)
-                    g2 = None if d_ent is None else torch.where(valid, d_ent, 0.0)
-                    self.row_grad(zc, coef, label, st.max, st.log_s, g1, g2,
-                                  st.entropy if g2 is not None else None,
-                                  dz[s0 - start : s1 - start])
+                self.row_loss(zc, p, rows, local_label[rows], token_loss,
+                              dz[s0 - start : s1 - start] if need_grad else None, loss[rows],
+                              logprob[rows], None if entropy is None else entropy[rows])
             if not need_grad:
                 continue
             xc, dzc = x[start:end], dz[: end - start]

@@ -43,6 +43,17 @@ class PolicyLossResult(NamedTuple):
     label_outside: Optional[torch.Tensor] = None
 
 
+class LossData(NamedTuple):
+    """A per-token loss in a form a kernel evaluates with its derivatives (no autograd, no
+    Python per chunk): the weighted NLL (``policy`` None) or a :class:`PolicyLoss` with its
+    ``input_names`` tensors, full-call ``[N]`` float32, unmasked (the kernel zeroes the inputs of
+    positions that do not count, as :meth:`PerTokenLoss.bind` does)."""
+
+    token_weight: torch.Tensor
+    policy: Optional["PolicyLoss"] = None
+    inputs: tuple = ()
+
+
 class WeightedNLL:
     """``sum_i w_i * -logprob_i``: the reduced cross-entropy."""
 
@@ -50,6 +61,7 @@ class WeightedNLL:
 
     def __init__(self, token_weight: torch.Tensor) -> None:
         self.token_weight = token_weight
+        self.data = LossData(token_weight)
 
     def terms(self, rows: slice, logprob: torch.Tensor, entropy: Optional[torch.Tensor]) -> torch.Tensor:
         return -self.token_weight[rows] * logprob
@@ -180,19 +192,33 @@ class PerTokenLoss:
         at positions that do not count (weight 0 or ignored) are replaced by 0 first, so padding
         that holds NaN or garbage contributes neither a value nor a gradient."""
         self.check_inputs(inputs)
-        counts = valid & (token_weight != 0)
-        for name, t in inputs.items():
-            if check_values(t) and not bool(torch.isfinite(t[counts]).all()):
-                raise ValueError(f"inputs[{name!r}]: NaN or infinite values at positions that count")
-        safe = {k: torch.where(counts, v, 0.0) for k, v in inputs.items()}
-        return _BoundPerTokenLoss(self, token_weight, safe)
+        if any(check_values(t) for t in inputs.values()):
+            counts = valid & (token_weight != 0)
+            for name, t in inputs.items():
+                if check_values(t) and not bool(torch.isfinite(t[counts]).all()):
+                    raise ValueError(f"inputs[{name!r}]: NaN or infinite values at positions that count")
+        return _BoundPerTokenLoss(self, token_weight, inputs, valid)
 
 
 class _BoundPerTokenLoss:
     def __init__(self, loss: PerTokenLoss, token_weight: torch.Tensor,
-                 inputs: Mapping[str, torch.Tensor]) -> None:
-        self.loss, self.token_weight, self.inputs = loss, token_weight, inputs
+                 inputs: Mapping[str, torch.Tensor], valid: torch.Tensor) -> None:
+        self.loss, self.token_weight, self._raw, self._valid = loss, token_weight, inputs, valid
         self.needs_entropy = loss.needs_entropy
+        self._safe: Optional[dict] = None
+        # exactly PolicyLoss (a subclass may change the formula), its own entropy flag: a kernel
+        # evaluates it (and zeroes the inputs that do not count itself)
+        self.data = (LossData(token_weight, loss.fn, tuple(inputs[k] for k in loss.fn.input_names))
+                     if type(loss.fn) is PolicyLoss and not loss.entropy_given else None)
+
+    @property
+    def inputs(self) -> dict:
+        """The inputs, 0 at positions that do not count (weight 0 or ignored): padding that holds
+        NaN or garbage contributes neither a value nor a gradient. Made on first use."""
+        if self._safe is None:
+            counts = self._valid & (self.token_weight != 0)
+            self._safe = {k: torch.where(counts, v, 0.0) for k, v in self._raw.items()}
+        return self._safe
 
     def terms(self, rows: slice, logprob: torch.Tensor, entropy: Optional[torch.Tensor]) -> torch.Tensor:
         f = self.loss.fn(logprob, entropy, **{k: v[rows] for k, v in self.inputs.items()})

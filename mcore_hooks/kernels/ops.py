@@ -392,6 +392,64 @@ def _token_loss(token_weight: Tensor, policy: Optional[list[float]], inputs: lis
     return per_token_loss(loss).bind(token_weight, dict(zip(loss.input_names, inputs)), valid)
 
 
+def forms_gradients_in_forward(backend: str, hidden_size: int) -> bool:
+    """Whether a fused loss on this backend forms its gradients in the forward (6NHV, float32
+    dX and dW held until the backward) rather than in the backward from the statistics pass
+    (8NHV, the logits recomputed there). Decided by the hidden size alone, never the call's
+    size, so a token's results do not follow the call (batch invariance)."""
+    base = backend.partition("+")[0]
+    if base == "torch":
+        return True
+    from . import triton_fused  # lazily: it imports Triton, slow and optional
+
+    return hidden_size >= triton_fused.TritonFused.forward_gradients_min_hidden
+
+
+@torch.library.custom_op("mcore_hooks::token_terms", mutates_args=())
+def token_terms(
+    logprob: Tensor, entropy: Tensor, valid: Tensor, token_weight: Tensor,
+    policy: Optional[list[float]], inputs: list[Tensor], backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(terms, d terms / d logprob, d terms / d entropy)``, float32 ``[N]``, 0 where not
+    ``valid``: the weighted NLL (``policy`` None) or a :class:`PolicyLoss` (its fields,
+    :func:`policy_loss_data`; its ``input_names`` tensors in ``inputs``) of per-token log-probs
+    and entropies, its derivatives formed here (the terms are differentiable through them)."""
+    if backend.partition("+")[0] == "triton":
+        from . import triton_fused
+
+        loss = None if policy is None else _policy_loss(policy)
+        return triton_fused.TritonFused.token_terms(logprob, entropy, valid, token_weight, loss, inputs)
+    loss = _token_loss(token_weight, policy, inputs, valid)
+    terms, d_lp, d_ent = ag.term_grads(loss, slice(0, logprob.shape[0]), logprob,
+                                       entropy if loss.needs_entropy else None)
+    zero = torch.zeros_like(logprob)
+    return (torch.where(valid, terms, 0.0), torch.where(valid, d_lp, 0.0),
+            zero if d_ent is None else torch.where(valid, d_ent, 0.0))
+
+
+@token_terms.register_fake
+def _(logprob, entropy, valid, token_weight, policy, inputs, backend):
+    return logprob.new_empty(logprob.shape), logprob.new_empty(logprob.shape), logprob.new_empty(logprob.shape)
+
+
+def _terms_setup(ctx, inputs, output):
+    _, d_lp, d_ent = output
+    ctx.mark_non_differentiable(d_lp, d_ent)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(d_lp, d_ent)
+    ctx.num_inputs = len(inputs[5])
+
+
+def _terms_backward(ctx, d_terms, _d_lp, _d_ent):
+    d_lp, d_ent = ctx.saved_tensors
+    if d_terms is None:
+        return (None,) * 5 + ([None] * ctx.num_inputs, None)
+    return (d_terms * d_lp, d_terms * d_ent) + (None,) * 3 + ([None] * ctx.num_inputs, None)
+
+
+token_terms.register_autograd(_terms_backward, setup_context=_terms_setup)
+
+
 def _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel,
                 chunk_size, backend, accumulator, upstream_grad, token_weight, policy, inputs,
                 need_x, need_w):

@@ -47,7 +47,7 @@ from typing import Any, Optional
 
 import torch
 
-from .autograd import Backend, LocalStats
+from .autograd import Backend, LocalStats, combine
 from .matmul import addmm_f32_
 
 try:  # Triton is optional; the torch backend needs none of this.
@@ -153,15 +153,14 @@ def device_tiles(device: torch.device) -> Optional[Tiles]:
     return _device_tiles(device.index if device.index is not None else torch.cuda.current_device())
 
 
-# Backward gradient chunk [N, Vc] in the input dtype: at least this many bytes (Vc = H, the most
-# the dX output can hold, when that is wider). Measured on an H200 at 16384 x 4096 x 151936
-# (benchmarks/profile_kernels.py): Vc = 4096 lets cuBLAS accumulate dX at 91% of the matmul
-# ceiling, against 80% at 2048.
-_BWD_CHUNK_BYTES = 128 << 20
-# With the weight's gradient going into an fp32 accumulator (Megatron's main_grad), the backward
-# takes the tokens in slices whose fp32 dX accumulator and input-dtype output fit in this many
-# bytes, so it holds dX plus this much (each slice costs one more pass over the accumulator).
-_MAIN_GRAD_BYTES = 192 << 20
+# The log-prob backward's logit gradient is made a vocabulary chunk [N, Vc] at a time (input
+# dtype), at most this many bytes: one chunk (three launches: the gradient, dW, dX) up to
+# 3534 tokens at a 151936-token vocabulary, 10 at 32768. Chunks of H columns (the old rule,
+# to keep the chunk inside the dX output) took 3 launches per H columns: 652 launches a call
+# at hidden 896, the host's work longer than the GPU's below 2048 tokens.
+_BWD_CHUNK_BYTES = 1 << 30
+# Tokens per program of the per-token loss terms.
+_TERMS_BLOCK = 1024
 # Elements per step of the cross-entropy row passes (8 warps, 16 fp32 per thread).
 _ROW_BLOCK = 4096
 # Fewest vocab splits of the forward grid: 4 measured fastest with TMA loads (32.9 ms, against
@@ -191,11 +190,23 @@ _USE_TMA = True
 
 
 if triton is not None:  # the kernels live apart: launches here, arithmetic there
+    from .triton_losses import _row_loss_kernel, _token_terms_kernel
     from .triton_kernels import (
         _dlogits_kernel, _gathered_dots_kernel, _given_dlogits_kernel, _hidden_grad_kernel,
         _logits_kernel, _merge_segments_kernel, _row_grad_kernel, _row_stats_kernel,
         _stats_fwd_kernel, _target_logit_kernel, _write_columns_kernel,
     )
+
+
+def _policy_constants(loss) -> tuple[float, ...]:
+    """:class:`~.losses.PolicyLoss`'s numbers as the row-loss kernel takes them (float32 there,
+    as torch rounds a Python scalar against a float32 tensor): the ratio's clamp bounds, the
+    dual clip, KL and entropy coefficients and the log-ratio limit."""
+    if loss is None:
+        return (0.0,) * 6
+    high = loss.clip_low if loss.clip_high is None else loss.clip_high
+    return (1 - loss.clip_low, 1 + high, float(loss.dual_clip or 0.0), float(loss.kl_coef),
+            float(loss.entropy_coef), float(loss.log_ratio_limit))
 
 
 def vocab_segments(vtiles: int) -> tuple[int, int]:
@@ -236,12 +247,14 @@ def _descriptors(a: torch.Tensor, a_box: list[int], b: torch.Tensor, b_box: list
                  tma: bool) -> tuple[Any, Any, bool]:
     """Tensor descriptors of ``a`` and ``b`` (boxes of these shapes) for the copy engine where it
     can be used, else the tensors themselves."""
-    # The copy engine needs 16-byte aligned base addresses and row strides.
+    # The copy engine needs 16-byte aligned base addresses and row strides (a view's rows may
+    # be longer than its columns: a chunk of a wider buffer).
     use = (
         tma
         and _USE_TMA
         and TensorDescriptor is not None
-        and all((t.shape[1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, b))
+        and all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
+                and t.data_ptr() % 16 == 0 for t in (a, b))
     )
     if not use:
         return a, b, False
@@ -273,6 +286,12 @@ class TritonFused(Backend):
     # 100.2 / 2631 at 4096 in another run; benchmarks/RESULTS.md).
     accumulating_chunk_bytes = 3 << 29
 
+    # A fused loss forms its gradients in the forward from this hidden size on (6NHV, float32
+    # dW held for the backward); below it, in the backward from the statistics pass (8NHV, no
+    # float32 [V, H] buffer, nor [N, V] logits and their gradient in memory, which at a small
+    # hidden size cost more than the logits' recomputation: ops.forms_gradients_in_forward).
+    forward_gradients_min_hidden = 2048
+
     def __init__(self, tiles: Tiles = TILES[0]) -> None:
         self.tiles = tiles
 
@@ -285,22 +304,21 @@ class TritonFused(Backend):
         coef, local_label = coef.contiguous(), local_label.contiguous()
         parts = torch.empty((3, segments, n), dtype=torch.float32, device=x.device)
         sms = _num_sms(x.device.index or 0)
-        # One launch per _FWD_GROUP tokens: its programs fill the GPU once and walk the weight
-        # together. One launch over all the tokens, with its many waves, took 185-236 ms at
-        # 65536 x 4096 x 151936 on an H100 with segments, against 132 ms this way
-        # (benchmarks/RESULTS.md).
-        for r0 in range(0, n, _FWD_GROUP):
-            rn = min(_FWD_GROUP, n - r0)
-            row_blocks = triton.cdiv(rn, tile.block_n)
-            want = forward_splits(row_blocks, segments, sms)
-            segs_per_split = triton.cdiv(segments, min(segments, want))
-            splits = triton.cdiv(segments, segs_per_split)
-            xa, wa, tma = _operands(x[r0 : r0 + rn], weight, tile, self.tiles.tma)
-            _stats_fwd_kernel[(row_blocks * splits,)](
-                xa, wa, coef[r0:], parts[0, :, r0:], parts[1, :, r0:], parts[2, :, r0:],
-                rn, v, h, x.stride(0), weight.stride(0), n, seg_tiles, segments, segs_per_split,
-                splits, EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch(),
-            )
+        # One launch, its programs in groups of _FWD_GROUP tokens: a group's programs fill the
+        # GPU about once and walk the weight together, and groups follow one another. (A launch
+        # over all the tokens with no groups took 185-236 ms at 65536 x 4096 x 151936 on an
+        # H100, against 132 ms with a launch per group: benchmarks/RESULTS.md.)
+        row_blocks = triton.cdiv(n, tile.block_n)
+        group = min(row_blocks, _FWD_GROUP // tile.block_n)
+        want = forward_splits(group, segments, sms)
+        segs_per_split = triton.cdiv(segments, min(segments, want))
+        splits = triton.cdiv(segments, segs_per_split)
+        xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
+        _stats_fwd_kernel[(row_blocks * splits,)](
+            xa, wa, coef, parts[0], parts[1], parts[2], n, v, h, x.stride(0), weight.stride(0), n,
+            seg_tiles, segments, segs_per_split, splits, group,
+            EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch(),
+        )
         stats = torch.empty((4, n), dtype=torch.float32, device=x.device)
         _merge_segments_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
             parts[0], parts[1], parts[2], stats[0], stats[1], stats[2], n, segments,
@@ -323,37 +341,17 @@ class TritonFused(Backend):
     def grads(self, x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w,
               dw_accumulator=None, extra=None):
         n, h = x.shape
-        rows = max(128, _MAIN_GRAD_BYTES // (h * (x.element_size() + 4)) // 128 * 128)
-        if dw_accumulator is not None and need_x and rows < n:
-            # dW goes into the fp32 accumulator (adding over token chunks is exact to fp32 there),
-            # so the rows can be split: each slice's fp32 dX accumulator and output are small,
-            # and the whole backward holds dX plus one slice's buffers.
-            dx = torch.empty((n, h), dtype=x.dtype, device=x.device)
-            for r0 in range(0, n, rows):
-                r = slice(r0, min(r0 + rows, n))
-                ext = None if extra is None else tuple(t[r] for t in extra)
-                dx[r] = self.grads(x[r], weight, coef[r], local_label[r], m[r], log_s[r], entropy[r],
-                                   g1[r], g2[r], chunk_size, True, need_w, dw_accumulator, ext)[0]
-            return dx, None
         v = weight.shape[0]
         tile = self.tiles.bwd
         bv = tile.block_v
         x, weight = x.contiguous(), weight.contiguous()
-        if need_x:
-            # dX's float32 sum over the chunks is a token's own reduction: the chunk width comes
-            # from H alone, never from the number of tokens. It is the most the dX output can
-            # hold, so the gradient chunk lives in that (not yet written) output: no extra memory.
-            vc = max(bv, h // bv * bv)
-        else:  # dW only, a sum over tokens: chunks as wide as the memory bound allows
-            vc = max(bv, (_BWD_CHUNK_BYTES // (max(n, 1) * x.element_size())) // bv * bv)
-        in_dx = need_x and h >= bv
-        vc = min(vc, triton.cdiv(v, bv) * bv)
-        dx_out = torch.empty((n, h), dtype=x.dtype, device=x.device) if need_x else None
-        if in_dx:
-            dz = dx_out.view(-1)[: n * vc].view(n, vc)
-        else:
-            dz = torch.empty((n, vc), dtype=x.dtype, device=x.device)
-        dx = torch.zeros((n, h), dtype=torch.float32, device=x.device) if need_x else None
+        # Chunk edges at multiples of the tile (and of the dX kernel's K step), so dX's sum over
+        # the vocabulary runs tile after tile in one order however many chunks there are.
+        vc = min(triton.cdiv(v, bv) * bv, max(bv, _BWD_CHUNK_BYTES // (max(n, 1) * x.element_size()) // bv * bv))
+        chunks = triton.cdiv(v, vc)
+        dz = torch.empty((n, vc), dtype=x.dtype, device=x.device)
+        dx = torch.empty((n, h), dtype=x.dtype, device=x.device) if need_x else None
+        dx32 = torch.empty((n, h), dtype=torch.float32, device=x.device) if need_x and chunks > 1 else None
         dw = torch.empty_like(weight) if need_w and dw_accumulator is None else None
         row_blocks = triton.cdiv(n, tile.block_n)
         xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
@@ -366,8 +364,10 @@ class TritonFused(Backend):
             _given_dlogits_kernel[grid](e_cols, extra[1].float().contiguous(), extra[2].contiguous(),
                                         coef, local_label, m, log_s, entropy, g1, g2, given, n, k,
                                         BLOCK_N=_GIVEN_ROWS, BLOCK_K=_GIVEN_COLS)
-        for v0 in range(0, v, vc):
+        for i in range(chunks):
+            v0 = i * vc
             width = min(vc, v - v0)
+            chunk = dz[:, :width]
             _dlogits_kernel[(triton.cdiv(width, bv), row_blocks)](
                 xa, wa, coef, local_label, m, log_s, entropy, g1, g2, dz,
                 n, v, h, v0, width, x.stride(0), weight.stride(0), dz.stride(0),
@@ -376,14 +376,14 @@ class TritonFused(Backend):
             if given is not None:
                 _write_columns_kernel[grid](dz, e_cols, given, n, k, v0, width, dz.stride(0),
                                             BLOCK_N=_GIVEN_ROWS, BLOCK_K=_GIVEN_COLS)
-            chunk = dz[:, :width]
             if dw is not None:
                 torch.mm(chunk.t(), x, out=dw[v0 : v0 + width])  # K = N: rounded once
             elif need_w:  # Megatron's main_grad: fp32 accumulation, as its wgrad GEMM does
                 addmm_f32_(dw_accumulator[v0 : v0 + width], chunk.t(), x)
-            if need_x:
-                addmm_f32_(dx, chunk, weight[v0 : v0 + width])
-        return (dx_out.copy_(dx) if need_x else None), dw
+            if need_x:  # float32 between chunks, the input dtype after the last
+                self._hidden_grad(chunk, weight[v0 : v0 + width], dx32 if i > 0 else None,
+                                  dx if i == chunks - 1 else dx32)
+        return dx, dw
 
     def logits(self, x, weight, out):
         n, h = x.shape
@@ -399,18 +399,68 @@ class TritonFused(Backend):
         return out
 
     def hidden_grad(self, dz, weight, out):
+        return self._hidden_grad(dz, weight, None, out)
+
+    def _hidden_grad(self, dz, weight, acc, out):
+        """``out = acc + dz @ weight`` (``acc`` float32 or None for 0; ``out`` float32 or the
+        input dtype, rounded once), the vocabulary's sum in one order (see the kernel)."""
         n, v = dz.shape
         h = weight.shape[1]
         if n == 0:
             return out
         tile = self.tiles.dx
-        dz, weight = dz.contiguous(), weight.contiguous()
+        weight = weight.contiguous()
+        if dz.stride(1) != 1:
+            dz = dz.contiguous()
         a, b, tma = _product_operands(dz, weight, tile, self.tiles.tma)
         grid = (triton.cdiv(n, tile.block_n) * triton.cdiv(h, tile.block_v),)
-        _hidden_grad_kernel[grid](a, b, out, n, h, v, dz.stride(0), weight.stride(0), out.stride(0),
+        acc_in = acc is not None
+        _hidden_grad_kernel[grid](a, b, acc if acc_in else out, out, n, h, v, dz.stride(0), weight.stride(0),
+                                  (acc if acc_in else out).stride(0), out.stride(0),
                                   EVEN_K=v % tile.block_k == 0, USE_TMA=tma, GROUP=_DX_GROUP,
-                                  **tile.launch())
+                                  ACC_IN=acc_in, **tile.launch())
         return out
+
+    def row_loss(self, z, p, rows, local_label, token_loss, dz, loss, logprob, entropy) -> None:
+        data = getattr(token_loss, "data", None)
+        if data is None:  # a Python function's terms: autograd's derivatives
+            return super().row_loss(z, p, rows, local_label, token_loss, dz, loss, logprob, entropy)
+        c, v = z.shape
+        coef, valid = p.coef[rows], p.valid[rows]
+        with_entropy = entropy is not None
+        if p.group is None:  # the statistics from the row itself, in the same launch
+            st = (coef,) * 4
+        else:
+            st = combine(self.row_stats(z, coef, local_label, with_entropy), p.group, p.batch_invariant)
+        pol = data.policy
+        kl = 0 if pol is None or pol.kl_coef == 0 else 1 if pol.kl_type == "k1" else 2
+        ins = [t[rows] for t in data.inputs] + [coef] * (3 - len(data.inputs))
+        _row_loss_kernel[(c,)](
+            z, z if dz is None else dz, coef, local_label, valid, *st, data.token_weight[rows], *ins,
+            loss, logprob, logprob if entropy is None else entropy, v, z.stride(0),
+            0 if dz is None else dz.stride(0), *_policy_constants(pol),
+            BLOCK=_ROW_BLOCK, LOCAL=p.group is None, POLICY=pol is not None,
+            DUAL=pol is not None and pol.dual_clip is not None, KL=kl, ENTROPY=with_entropy,
+            # Triton's CPU interpreter (the CPU tests) has no libdevice: tl.exp / tl.log there
+            GRAD=dz is not None, PRECISE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8)
+        return None
+
+    @staticmethod
+    def token_terms(logprob, entropy, valid, token_weight, loss, inputs):
+        """:func:`~.ops.token_terms` in one launch: the terms and their derivatives, float32."""
+        n = logprob.shape[0]
+        out = [torch.empty(n, dtype=torch.float32, device=logprob.device) for _ in range(3)]
+        if n == 0:
+            return tuple(out)
+        kl = 0 if loss is None or loss.kl_coef == 0 else 1 if loss.kl_type == "k1" else 2
+        ins = list(inputs) + [logprob] * (3 - len(inputs))
+        _token_terms_kernel[(triton.cdiv(n, _TERMS_BLOCK),)](
+            logprob, entropy, valid, token_weight, *ins, out[0], out[1], out[2], n,
+            *_policy_constants(loss), BLOCK=_TERMS_BLOCK, POLICY=loss is not None,
+            DUAL=loss is not None and loss.dual_clip is not None, KL=kl,
+            ENTROPY=loss is not None and loss.needs_entropy,
+            PRECISE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4)
+        return tuple(out)
 
     @staticmethod
     def row_stats(z, coef, local_label, with_entropy) -> LocalStats:

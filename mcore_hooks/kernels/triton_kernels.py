@@ -47,15 +47,18 @@ if triton is not None:
     @triton.jit
     def _stats_fwd_kernel(
         X, W, COEF, M, S, A,
-        N, V, H, stride_x, stride_w, stride_p, seg_tiles, segments, segs_per_split, splits,
+        N, V, H, stride_x, stride_w, stride_p, seg_tiles, segments, segs_per_split, splits, group,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
         USE_TMA: tl.constexpr,
     ):
-        # Split index fastest: the programs running together share a few row blocks (their X
-        # stays in L2) and walk neighbouring vocab ranges, instead of 100+ row blocks
-        # re-reading X from memory for every vocab tile.
+        # Programs in groups of `group` row blocks x `splits`, split index fastest: the programs
+        # running together (about one group fills the GPU) share a few row blocks (their X stays
+        # in L2) and walk neighbouring vocab ranges together, instead of 100+ row blocks
+        # re-reading X from memory for every vocab tile. Groups run one after another in one
+        # launch (a launch per group cost a Python round trip each).
         pid = tl.program_id(0)
-        pid_n = pid // splits
+        per_group = group * splits
+        pid_n = pid // per_group * group + pid % per_group // splits
         pid_s = pid % splits
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
@@ -208,15 +211,18 @@ if triton is not None:
         tl.store(Z + rows[:, None].to(tl.int64) * stride_z + cols[None, :], z,
                  mask=rmask[:, None] & cmask[None, :])
 
-    # The fused losses' dX = dz @ W ([N, V] @ [V, H]) into float32: a row's sum over the
-    # vocabulary runs tile after tile in one order, whatever N. cuBLAS splits that sum (split-K)
-    # for fewer rows: a token's dX row then changed with the call's size (H100, measured;
-    # benchmarks/profile_invariant.py --sections fused).
+    # dX = dz @ W ([N, V] @ [V, H]), the vocabulary's sum walked tile after tile in one order
+    # whatever N (cuBLAS splits that sum, split-K, for fewer rows: a token's dX row then changed
+    # with the call's size; benchmarks/profile_invariant.py --sections fused). A call may walk
+    # the vocabulary in chunks: ACC_IN starts from the float32 sum of the chunks before (ACC),
+    # so with chunks cut at multiples of BLOCK_K the tiles are summed in the same order, and a
+    # row gets the same bits, whatever the chunks. OUT is float32 (more chunks to come) or the
+    # input dtype (the last: rounded once).
     @triton.jit
     def _hidden_grad_kernel(
-        DZ, W, DX, N, H, V, stride_dz, stride_w, stride_dx,
+        DZ, W, ACC, OUT, N, H, V, stride_dz, stride_w, stride_acc, stride_out,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        USE_TMA: tl.constexpr, GROUP: tl.constexpr,
+        USE_TMA: tl.constexpr, GROUP: tl.constexpr, ACC_IN: tl.constexpr,
     ):
         # GROUP row blocks walk the vocabulary together: their dz and W tiles are read from L2
         pid = tl.program_id(0)
@@ -229,7 +235,12 @@ if triton is not None:
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = pid_h * BLOCK_V + tl.arange(0, BLOCK_V)
         rmask, cmask = rows < N, cols < H
-        acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+        omask = rmask[:, None] & cmask[None, :]
+        if ACC_IN:
+            acc = tl.load(ACC + rows[:, None].to(tl.int64) * stride_acc + cols[None, :], mask=omask,
+                          other=0.0)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
         if USE_TMA:  # the copy engine zero-fills out-of-bounds rows, columns and K tails
             for k in range(0, tl.cdiv(V, BLOCK_K)):
                 a = DZ.load([pid_n * BLOCK_N, k * BLOCK_K])
@@ -250,8 +261,8 @@ if triton is not None:
                 acc = tl.dot(a, b, acc)
                 a_ptr += BLOCK_K
                 b_ptr += BLOCK_K * stride_w.to(tl.int64)
-        tl.store(DX + rows[:, None].to(tl.int64) * stride_dx + cols[None, :], acc,
-                 mask=rmask[:, None] & cmask[None, :])
+        tl.store(OUT + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
+                 acc.to(OUT.dtype.element_ty), mask=omask)
 
 
     # Given ids' columns of the logit gradient (``selected_ids``: their logits' gradients g).
