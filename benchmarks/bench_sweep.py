@@ -377,6 +377,14 @@ def host_profile(path: str, n: int, h: int, v: int, calls: int = 30) -> None:
         prof.disable()
     print(f"--- host profile of {path} at {n} x {h} x {v}, {calls} calls")
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    for t in grads:
+        t.grad = None
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as kp:
+        step()
+        torch.cuda.synchronize()
+    print(f"--- kernels of one call of {path}")
+    print(kp.key_averages().table(sort_by="cuda_time_total", row_limit=20))
 
 
 def main() -> int:

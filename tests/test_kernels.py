@@ -234,7 +234,7 @@ def test_memory_never_exceeds_one_chunk_of_logits():
     with LargestTensor() as stock:
         logp = torch.log_softmax(x @ w.t(), dim=-1)
         (logp.gather(1, y[:, None]).sum() - (logp.exp() * logp).sum()).backward()
-    bound = chunk * vocab
+    bound = chunk * -(-vocab // 16) * 16  # a chunk's rows, padded to 16 columns (batch invariance)
     assert ours.largest <= bound, (ours.largest, bound)
     assert stock.largest >= n * vocab  # the test would catch a full [tokens, vocab] tensor
 

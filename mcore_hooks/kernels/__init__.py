@@ -22,6 +22,7 @@ import torch
 from .debug import check_values
 from . import ops
 from . import candidates as cand
+from .dispatch import call
 from .arguments import (  # noqa: F401  (re-exported: the entry points' argument checks and backend choice)
     BACKENDS, _id_matrix, _nan_where, _prepare, _token_vector, backend_for, backend_name,
     check_upstream_grad_option, default_chunk_size, triton_unavailable,
@@ -213,9 +214,9 @@ def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
     v_total = weight.shape[0] * tp
     opts = t._per_token(p.n, hidden.device, v_total)
     width = t._width(v_total)
-    values, ids, m, log_s = ops.top_k_ids(hidden.detach(), weight.detach(), p.coef, p.vocab_start,
-                                          ops.group_name(p.group), p.sequence_parallel, p.chunk_size,
-                                          width, ops.invariant(p.backend))
+    values, ids, m, log_s = call(ops.top_k_ids, hidden.detach(), weight.detach(), p.coef,
+                                 p.vocab_start, ops.group_name(p.group), p.sequence_parallel,
+                                 p.chunk_size, width, ops.invariant(p.backend))
     if ops.invariant(p.backend):  # aligned rows for the sort's softmax and cumulative sum
         pad = cand.aligned_columns(ids).shape[1] - ids.shape[1]
         values = torch.cat([values, values.new_full((values.shape[0], pad), -math.inf)], dim=1)
@@ -502,8 +503,8 @@ def _fused(hidden, weight, p: KernelParams, token_weight: torch.Tensor,
     logprob, entropy, _, _ = ops.stats(hidden, weight, p)
     if as_data:
         data = None if loss is None else ops.policy_loss_data(loss)
-        terms = ops.token_terms(logprob, entropy, p.valid, token_weight, data,
-                                [inputs[k] for k in names], p.backend)[0]
+        terms = call(ops.token_terms, logprob, entropy, p.valid, token_weight, data,
+                     [inputs[k] for k in names], p.backend)[0]
         needs_entropy = loss is not None and loss.needs_entropy
     else:
         needs_entropy = loss.needs_entropy

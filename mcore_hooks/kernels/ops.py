@@ -7,7 +7,9 @@ not have to. Their arguments are plain data: tensors, ints, floats, strings, the
 by name (``ProcessGroup.group_name``), the backend by name, and a per-token loss as
 :class:`~.losses.PolicyLoss`'s fields (a loss given as an arbitrary Python function cannot be an
 op argument: it keeps the :class:`LinearFusedLoss` path at the end of this module, which
-compiles with a graph break). Eager calls go through the same ops: one path.
+compiles with a graph break). Eager calls run the same implementations and autograd formulas
+without the dispatcher (:func:`~.dispatch.call`: the dispatcher's own work was more than the
+GPU's at small calls).
 
 * ``logsoftmax_stats`` / ``logsoftmax_stats_backward``: the 2NHV log-prob/entropy pass and its
   backward (which adds into ``accumulator``, Megatron's ``main_grad``, where one is given);
@@ -33,6 +35,7 @@ from .losses import PolicyLoss, WeightedNLL, per_token_loss
 from .options import KernelParams
 from .invariant import InvariantBlocks, block_rows, blocks, padded
 from .torch_chunked import TorchChunked
+from .dispatch import call, custom_op, register_autograd
 
 _F32 = torch.float32
 
@@ -80,7 +83,7 @@ def _nothing(like: Tensor) -> Tensor:
 # --------------------------------------------------------------------------- the log-prob/entropy pass
 
 
-@torch.library.custom_op("mcore_hooks::logsoftmax_stats", mutates_args=())
+@custom_op("mcore_hooks::logsoftmax_stats", mutates_args=())
 def logsoftmax_stats(
     hidden: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
     group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str,
@@ -127,7 +130,7 @@ def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel
     return f32[0], f32[1], f32[2], hidden.new_empty(n, dtype=torch.bool), f32[3], f32[4], x, extra
 
 
-@torch.library.custom_op("mcore_hooks::logsoftmax_stats_backward", mutates_args=("accumulator",))
+@custom_op("mcore_hooks::logsoftmax_stats_backward", mutates_args=("accumulator",))
 def logsoftmax_stats_backward(
     x: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
     group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str, m: Tensor,
@@ -196,9 +199,9 @@ def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gather
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     acc = accumulator if need_w else None
     e_g = d_extra.float() if d_extra is not None and extra_ids is not None else None
-    dx, dw = logsoftmax_stats_backward(x, weight, labels, valid, coef, *ctx.args, m, log_s, entropy,
-                                       g1, g2, need_x, need_w, acc, extra_ids, e_g,
-                                       extra if e_g is not None else None)
+    dx, dw = call(logsoftmax_stats_backward, x, weight, labels, valid, coef, *ctx.args, m, log_s,
+                  entropy, g1, g2, need_x, need_w, acc, extra_ids, e_g,
+                  extra if e_g is not None else None)
     dx = dx.view(ctx.hidden_shape) if need_x else None
     if acc is not None:
         dw = ag.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None
@@ -207,23 +210,22 @@ def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gather
     return (dx, dw) + (None,) * 12
 
 
-logsoftmax_stats.register_autograd(_stats_backward, setup_context=_stats_setup)
+register_autograd(logsoftmax_stats, _stats_backward, _stats_setup)
 
 
 def stats(hidden: Tensor, weight: Tensor, p: KernelParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(logprob, entropy, logz, label_is_argmax)`` through the op, differentiable in ``hidden``
     and ``weight`` (the weight's gradient into ``p.weight_grad_accumulator`` where one is given)."""
-    out = logsoftmax_stats(hidden, weight, p.labels, p.valid, p.coef, p.vocab_start,
-                           group_name(p.group), p.sequence_parallel, p.chunk_size,
-                           p.backend, p.weight_grad_accumulator, p.dummy_weight_grad, None,
-                           torch.compiler.is_compiling())
+    out = call(logsoftmax_stats, hidden, weight, p.labels, p.valid, p.coef, p.vocab_start,
+               group_name(p.group), p.sequence_parallel, p.chunk_size, p.backend,
+               p.weight_grad_accumulator, p.dummy_weight_grad, None, torch.compiler.is_compiling())
     return out[0], out[1], out[2], out[3]
 
 
 # --------------------------------------------------------------------------- given ids per token
 
 
-@torch.library.custom_op("mcore_hooks::candidate_logits", mutates_args=())
+@custom_op("mcore_hooks::candidate_logits", mutates_args=())
 def candidate_logits(
     hidden: Tensor, weight: Tensor, ids: Tensor, coef: Tensor, vocab_start: int,
     group: Optional[str], sequence_parallel: bool, chunk_size: int, accumulator: Optional[Tensor],
@@ -252,7 +254,7 @@ def _(hidden, weight, ids, coef, vocab_start, group, sequence_parallel, chunk_si
     return hidden.new_empty(ids.shape, dtype=_F32), x
 
 
-@torch.library.custom_op("mcore_hooks::candidate_logits_backward", mutates_args=("accumulator",))
+@custom_op("mcore_hooks::candidate_logits_backward", mutates_args=("accumulator",))
 def candidate_logits_backward(
     x: Tensor, weight: Tensor, ids: Tensor, coef: Tensor, vocab_start: int, group: Optional[str],
     sequence_parallel: bool, chunk_size: int, d_logits: Tensor, need_x: bool, need_w: bool,
@@ -296,7 +298,7 @@ def _candidate_backward(ctx, d_logits, _):
     x, weight, ids, coef = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     acc = ctx.accumulator if need_w else None
-    dx, dw = candidate_logits_backward(x, weight, ids, coef, *ctx.args, d_logits.float(), need_x,
+    dx, dw = call(candidate_logits_backward, x, weight, ids, coef, *ctx.args, d_logits.float(), need_x,
                                        need_w, acc, ctx.invariant)
     dx = dx.view(ctx.hidden_shape) if need_x else None
     if acc is not None:
@@ -306,19 +308,19 @@ def _candidate_backward(ctx, d_logits, _):
     return (dx, dw) + (None,) * 10
 
 
-candidate_logits.register_autograd(_candidate_backward, setup_context=_candidate_setup)
+register_autograd(candidate_logits, _candidate_backward, _candidate_setup)
 
 
 def logits_of(hidden: Tensor, weight: Tensor, ids: Tensor, p: KernelParams) -> Tensor:
     """Float32 ``[N, K]`` logits of ``ids`` through the op, differentiable in ``hidden`` and
     ``weight`` (the weight's gradient into ``p.weight_grad_accumulator`` where one is given)."""
     chunk = cand.gather_chunk_size(ids.shape[1], hidden.shape[1])
-    return candidate_logits(hidden, weight, ids, p.coef, p.vocab_start, group_name(p.group),
-                            p.sequence_parallel, chunk, p.weight_grad_accumulator,
-                            p.dummy_weight_grad, p.backend, torch.compiler.is_compiling())[0]
+    return call(candidate_logits, hidden, weight, ids, p.coef, p.vocab_start, group_name(p.group),
+                p.sequence_parallel, chunk, p.weight_grad_accumulator, p.dummy_weight_grad,
+                p.backend, torch.compiler.is_compiling())[0]
 
 
-@torch.library.custom_op("mcore_hooks::top_k_ids", mutates_args=())
+@custom_op("mcore_hooks::top_k_ids", mutates_args=())
 def top_k_ids(
     hidden: Tensor, weight: Tensor, coef: Tensor, vocab_start: int, group: Optional[str],
     sequence_parallel: bool, chunk_size: int, top_k: int, invariant: bool,
@@ -405,7 +407,7 @@ def forms_gradients_in_forward(backend: str, hidden_size: int) -> bool:
     return hidden_size >= triton_fused.TritonFused.forward_gradients_min_hidden
 
 
-@torch.library.custom_op("mcore_hooks::token_terms", mutates_args=())
+@custom_op("mcore_hooks::token_terms", mutates_args=())
 def token_terms(
     logprob: Tensor, entropy: Tensor, valid: Tensor, token_weight: Tensor,
     policy: Optional[list[float]], inputs: list[Tensor], backend: str,
@@ -447,7 +449,7 @@ def _terms_backward(ctx, d_terms, _d_lp, _d_ent):
     return (d_terms * d_lp, d_terms * d_ent) + (None,) * 3 + ([None] * ctx.num_inputs, None)
 
 
-token_terms.register_autograd(_terms_backward, setup_context=_terms_setup)
+register_autograd(token_terms, _terms_backward, _terms_setup)
 
 
 def _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel,
@@ -475,7 +477,7 @@ def _fused_fake(hidden, weight, labels, need_x, need_w, into: bool):
             hidden.new_empty(n, dtype=_F32), dx, dw)
 
 
-@torch.library.custom_op("mcore_hooks::fused_token_loss", mutates_args=())
+@custom_op("mcore_hooks::fused_token_loss", mutates_args=())
 def fused_token_loss(
     hidden: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
     group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str,
@@ -531,10 +533,10 @@ def _fused_backward(ctx, grad, *_):
     return (dx, dw) + (None,) * 10 + ([None] * ctx.num_inputs, None, None)
 
 
-fused_token_loss.register_autograd(_fused_backward, setup_context=_fused_setup)
+register_autograd(fused_token_loss, _fused_backward, _fused_setup)
 
 
-@torch.library.custom_op("mcore_hooks::fused_token_loss_into_", mutates_args=("accumulator",))
+@custom_op("mcore_hooks::fused_token_loss_into_", mutates_args=("accumulator",))
 def fused_token_loss_into_(
     hidden: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
     group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str,
@@ -561,7 +563,7 @@ class _FusedIntoAccumulator(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, args: tuple, placeholder: bool):
-        loss, logprob, entropy, dx32, _ = fused_token_loss_into_(hidden, weight, *args)
+        loss, logprob, entropy, dx32, _ = call(fused_token_loss_into_, hidden, weight, *args)
         if args[-1]:  # need_w: the weight's gradient went into the accumulator
             ag.expect_backward(ctx)
         ctx.save_for_backward(dx32)
@@ -596,14 +598,14 @@ def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Te
         return _FusedIntoAccumulator.apply(
             hidden, weight, args + (p.weight_grad_accumulator, p.upstream_grad, token_weight, data,
                                     inputs, need_x, need_w), p.dummy_weight_grad)
-    out = fused_token_loss(hidden, weight, *args, token_weight, data, inputs, need_x, need_w)
+    out = call(fused_token_loss, hidden, weight, *args, token_weight, data, inputs, need_x, need_w)
     return out[0], out[1], out[2]
 
 
 # --------------------------------------------------------------------------- the hidden states' gradient
 
 
-@torch.library.custom_op("mcore_hooks::all_reduce_", mutates_args=("t",))
+@custom_op("mcore_hooks::all_reduce_", mutates_args=("t",))
 def all_reduce_(t: Tensor, group: str, ordered: bool = False) -> None:
     """Sum ``t`` over the group, in place (``ordered``: in rank order, ``autograd.all_reduce``)."""
     ag.all_reduce(t, torch.distributed.ReduceOp.SUM, _group(group), ordered)
@@ -614,7 +616,7 @@ def _(t, group, ordered=False):
     return None
 
 
-@torch.library.custom_op("mcore_hooks::reduce_scatter_tokens", mutates_args=())
+@custom_op("mcore_hooks::reduce_scatter_tokens", mutates_args=())
 def reduce_scatter_tokens(t: Tensor, group: str, ordered: bool = False) -> Tensor:
     """Sum over the group, keep this rank's token shard (``ordered``: in rank order)."""
     return ag.reduce_scatter_tokens(t, _group(group), ordered)
@@ -632,8 +634,8 @@ def reduce_hidden_grad(dx: Tensor, group: Optional[str], sequence_parallel: bool
     if group is None:
         return dx
     if sequence_parallel:
-        return reduce_scatter_tokens(dx, group, ordered)
-    all_reduce_(dx, group, ordered)
+        return call(reduce_scatter_tokens, dx, group, ordered)
+    call(all_reduce_, dx, group, ordered)
     return dx
 
 
