@@ -280,10 +280,10 @@ def test_triton_policy_loss_matches_torch_backend(shape, dtype, entropy_coef, ro
 def test_triton_adds_the_weight_gradient_into_an_accumulator(dtype, chunked, monkeypatch):
     """The backward's dW added into a float32 accumulator (Megatron's main_grad) equals the dW
     it returns otherwise, to the latter's rounding to the input dtype, and dX is the same bits;
-    also when a small memory budget cuts the vocabulary into chunks (of 256 columns here)."""
+    also when a small memory budget cuts the vocabulary into chunks (of one segment here)."""
     n, h, v = (1024, 256, 5003) if ON_GPU else (300, 32, 1100)
     if chunked:
-        monkeypatch.setattr(triton_fused, "_BWD_CHUNK_BYTES", n * 256 * 2)
+        monkeypatch.setattr(triton_fused, "_BWD_CHUNK_BYTES", n * triton_fused.dx_segment(v) * 2)
     g = torch.Generator().manual_seed(4)
     x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
     w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
@@ -307,8 +307,8 @@ def test_triton_adds_the_weight_gradient_into_an_accumulator(dtype, chunked, mon
 def test_the_backwards_vocabulary_chunks_leave_dx_the_same_bits(dtype, monkeypatch):
     """dX's sum over the vocabulary runs tile after tile in one order however the memory budget
     cuts the vocabulary into chunks (a float32 partial sum carried between them): one chunk,
-    chunks of 256 and 512 columns give a token the same bits, and so do calls of other sizes
-    (whose chunks differ at a given budget)."""
+    chunks of one and two of the product's segments give a token the same bits, and so do
+    calls of other sizes (whose chunks differ at a given budget)."""
     n, h, v = (700, 256, 5003) if ON_GPU else (70, 32, 1100)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
@@ -316,7 +316,8 @@ def test_the_backwards_vocabulary_chunks_leave_dx_the_same_bits(dtype, monkeypat
     labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
     ones = torch.ones(n, device=DEVICE)
     runs = []
-    for budget in (None, n * 256 * 2, n * 512 * 2):
+    seg = triton_fused.dx_segment(v)  # chunks are whole segments: of one and of two
+    for budget in (None, n * seg * 2, n * 2 * seg * 2):
         if budget is not None:
             monkeypatch.setattr(triton_fused, "_BWD_CHUNK_BYTES", budget)
         runs.append(_run("triton", x, w, labels, 0.8, ones, ones * 0.5)[2])
@@ -324,6 +325,11 @@ def test_the_backwards_vocabulary_chunks_leave_dx_the_same_bits(dtype, monkeypat
     # the first 9 tokens alone: at this budget their chunks are wider (the budget over fewer rows)
     alone = _run("triton", x[:9], w, labels[:9], 0.8, ones[:9], ones[:9] * 0.5)[2]
     assert torch.equal(alone, runs[0][:9])
+    # and the product's two forms (a program adding its tile's segments, or a program per
+    # segment and a merge) give the same bits
+    for split in (0, 1 << 40):
+        monkeypatch.setattr(triton_fused, "_DX_SPLIT_BYTES", split)
+        assert torch.equal(_run("triton", x, w, labels, 0.8, ones, ones * 0.5)[2], runs[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -684,15 +690,16 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
                stride_w="i32", stride_dz="i32")
     logits = dict(X="*bf16", W="*bf16", Z="*fp32", N="i32", V="i32", H="i32", stride_x="i32",
                   stride_w="i32", stride_z="i32")
-    dx = dict(DZ="*bf16", W="*bf16", ACC="*fp32", OUT="*bf16", N="i32", H="i32", V="i32",
-              stride_dz="i32", stride_w="i32", stride_acc="i32", stride_out="i32")
+    dx = dict(DZ="*bf16", W="*bf16", ACC="*fp32", OUT="*bf16", PARTS="*fp32", N="i32", H="i32",
+              V="i32", seg_cols="i32", segments="i32", stride_dz="i32", stride_w="i32", stride_o="i32")
     flags = dict(EVEN_K=True, USE_TMA=False)
     return [
         _compiled_shared_memory(triton_kernels._stats_fwd_kernel, fwd, flags, capability, tiles.fwd),
         _compiled_shared_memory(triton_kernels._dlogits_kernel, bwd, flags, capability, tiles.bwd),
         _compiled_shared_memory(triton_kernels._logits_kernel, logits, flags, capability, tiles.fwd),
         _compiled_shared_memory(triton_kernels._hidden_grad_kernel, dx,
-                                dict(flags, GROUP=triton_fused._DX_GROUP, ACC_IN=True), capability, tiles.dx),
+                                dict(USE_TMA=False, GROUP=triton_fused._DX_GROUP, SPLIT=False,
+                                     CONTINUE=True), capability, tiles.dx),
     ]
 
 

@@ -208,6 +208,17 @@ class Backend:
     ) -> LocalStats:
         raise NotImplementedError
 
+    def stats(
+        self, x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor,
+        valid: torch.Tensor, chunk_size: int, group, ordered: bool,
+    ) -> tuple[torch.Tensor, ...]:
+        """The log-prob/entropy pass's results, float32 ``[N]``: ``(logprob, entropy, logZ,
+        label_is_argmax, max, log_s)``, the first two 0 where not ``valid``; ``local_stats``
+        combined over ``group`` (``ordered``: :func:`all_reduce`'s)."""
+        st = combine(self.local_stats(x, weight, coef, local_label, chunk_size), group, ordered)
+        return (torch.where(valid, st.logprob(), 0.0), torch.where(valid, st.entropy, 0.0),
+                st.max + st.log_s, valid & label_is_row_max(st), st.max, st.log_s)
+
     def gathered_dots(
         self, x: torch.Tensor, weight: torch.Tensor, rows: torch.Tensor
     ) -> Optional[torch.Tensor]:

@@ -94,6 +94,10 @@ class InvariantBlocks(Backend):
             parts.append([t[: e - s] for t in st])
         return LocalStats(*(torch.cat(ts) for ts in zip(*parts)))
 
+    def stats(self, x, weight, coef, local_label, valid, chunk_size, group, ordered):
+        # the generic finish over this backend's blocked local_stats (never the inner's own)
+        return Backend.stats(self, x, weight, coef, local_label, valid, chunk_size, group, ordered)
+
     def gathered_dots(self, x, weight, rows):
         return self.inner.gathered_dots(x, weight, rows)  # per token already: invariant
 

@@ -104,10 +104,8 @@ def logsoftmax_stats(
     x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
     local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
     impl = _backend(backend, hidden.device)
-    local = impl.local_stats(x, weight, coef, local_label, chunk_size)
-    st = ag.combine(local, pg, invariant(backend))
-    logprob = torch.where(valid, st.logprob(), 0.0)
-    entropy = torch.where(valid, st.entropy, 0.0)
+    logprob, entropy, logz, best, m, log_s = impl.stats(x, weight, coef, local_label, valid,
+                                                        chunk_size, pg, invariant(backend))
     extra = _nothing(coef)
     if extra_ids is not None:
         extra = cand.candidate_logits(x, weight, coef, extra_ids, vocab_start,
@@ -116,8 +114,8 @@ def logsoftmax_stats(
         # each id on one rank: exact in any order (ordered all the same: with batch invariance
         # no sum over more than two ranks is left to a collective's order)
         ag.all_reduce(extra, torch.distributed.ReduceOp.SUM, pg, invariant(backend))
-    return (logprob, entropy, st.max + st.log_s, valid & ag.label_is_row_max(st), st.max, st.log_s,
-            x if sequence_parallel else _nothing(hidden), extra)
+    return (logprob, entropy, logz, best, m, log_s, x if sequence_parallel else _nothing(hidden),
+            extra)
 
 
 @logsoftmax_stats.register_fake
@@ -512,7 +510,14 @@ def _fused_setup(ctx, inputs, output):
 
 
 def _scaled(t32: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:
-    # rounded to the input dtype once, without a float32 temporary of t's size
+    """``t32 * grad`` rounded to the input dtype once, without a float32 temporary of t's size
+    (in one Triton pass where it runs, eager: torch's mul into another dtype runs at half the
+    memory's speed)."""
+    if t32.is_cuda and t32.is_contiguous() and not torch.compiler.is_compiling() and dtype != _F32:
+        from . import triton_fused
+
+        if triton_fused.device_tiles(t32.device) is not None:
+            return triton_fused.TritonFused.scale_cast(t32, grad, dtype)
     return torch.mul(t32, grad, out=torch.empty(t32.shape, dtype=dtype, device=t32.device))
 
 

@@ -105,13 +105,13 @@ class Tiles:
 # amortise the softmax epilogue; 8 warps drive Hopper's wgmma): 144 KiB, which also fits
 # sm_100's 227 KiB. sm_80 (A100, 163 KiB) keeps the wide tile with a shorter K step; sm_86 /
 # sm_89 / sm_120 (99-100 KiB) take 128 x 128. Older GPUs have no bf16 tensor cores: torch backend.
-# The hidden gradient's sm_90 tile ran level with cuBLAS on an H100 (1024-4096 tokens, H 4096 and
-# 8192: -4.4% to +2.2%; benchmarks/RESULTS.md); the other families take their logit tiles' shapes.
+# The hidden gradient's tiles are 128 x 128: its programs hold two float32 accumulators (a
+# segment's partial sum and the running one, see _hidden_grad_kernel).
 TILES: tuple[Tiles, ...] = (
     Tiles("sm_90", (9, 0), fwd=Tile(128, 256, 64, 8, 3), bwd=Tile(128, 256, 64, 8, 3),
-          dx=Tile(128, 256, 64, 8, 3), tma=True),
+          dx=Tile(128, 128, 64, 8, 3), tma=True),
     Tiles("sm_80", (8, 0), fwd=Tile(128, 256, 32, 8, 4), bwd=Tile(128, 256, 32, 8, 4),
-          dx=Tile(128, 256, 32, 8, 4), tma=False),
+          dx=Tile(128, 128, 32, 8, 4), tma=False),
     Tiles("sm_86", (8, 0), fwd=Tile(128, 128, 32, 8, 4), bwd=Tile(128, 128, 32, 8, 4),
           dx=Tile(128, 128, 32, 8, 4), tma=False),
 )
@@ -159,6 +159,8 @@ def device_tiles(device: torch.device) -> Optional[Tiles]:
 # to keep the chunk inside the dX output) took 3 launches per H columns: 652 launches a call
 # at hidden 896, the host's work longer than the GPU's below 2048 tokens.
 _BWD_CHUNK_BYTES = 1 << 30
+# Elements per program of the scaling of float32 gradients by the upstream gradient.
+_SCALE_BLOCK = 4096
 # Tokens per program of the per-token loss terms.
 _TERMS_BLOCK = 1024
 # Elements per step of the cross-entropy row passes (8 warps, 16 fp32 per thread).
@@ -182,6 +184,16 @@ _MERGE_BLOCK = 512
 _GIVEN_ROWS, _GIVEN_COLS = 32, 32
 # Row blocks of the hidden gradient's programs that walk the vocabulary together.
 _DX_GROUP = 8
+# Segments the hidden gradient's sum over the vocabulary is cut into (from the vocabulary's
+# size alone; each a multiple of 256 columns): fixed, so a token's dX row is the same bits
+# whether a program adds a tile's segments itself or programs form one segment each for a
+# merge, which fills the GPU when the tokens are few (512 x 896 x 151936: 16 programs
+# without; the product took 1.36 ms on an H100, cuBLAS's split-K 0.25 ms).
+_DX_SEGMENTS = 16
+# Most bytes of float32 partials the split form may hold (segments x N x H x 4).
+_DX_SPLIT_BYTES = 256 << 20
+# Elements per program of the split form's merge.
+_MERGE_DX_BLOCK = 1024
 # Weight rows a program of the gathered dot products reads ([16, 256] float32 products).
 _DOT_ROWS = 16
 # Tensor descriptors (Hopper's bulk copy engine) instead of pointer loads, where the tiles allow:
@@ -193,8 +205,9 @@ if triton is not None:  # the kernels live apart: launches here, arithmetic ther
     from .triton_losses import _row_loss_kernel, _token_terms_kernel
     from .triton_kernels import (
         _dlogits_kernel, _gathered_dots_kernel, _given_dlogits_kernel, _hidden_grad_kernel,
-        _logits_kernel, _merge_segments_kernel, _row_grad_kernel, _row_stats_kernel,
-        _stats_fwd_kernel, _target_logit_kernel, _write_columns_kernel,
+        _logits_kernel, _merge_final_kernel, _merge_partials_kernel, _merge_segments_kernel,
+        _row_grad_kernel, _row_stats_kernel, _scale_cast_kernel, _stats_fwd_kernel,
+        _target_logit_kernel, _write_columns_kernel,
     )
 
 
@@ -207,6 +220,12 @@ def _policy_constants(loss) -> tuple[float, ...]:
     high = loss.clip_low if loss.clip_high is None else loss.clip_high
     return (1 - loss.clip_low, 1 + high, float(loss.dual_clip or 0.0), float(loss.kl_coef),
             float(loss.entropy_coef), float(loss.log_ratio_limit))
+
+
+def dx_segment(v: int) -> int:
+    """Columns of each of the hidden gradient's :data:`_DX_SEGMENTS` vocabulary segments (the
+    last may be shorter): a multiple of 256, from the vocabulary's size alone."""
+    return max(256, math.ceil(v / _DX_SEGMENTS / 256) * 256)
 
 
 def vocab_segments(vtiles: int) -> tuple[int, int]:
@@ -296,6 +315,18 @@ class TritonFused(Backend):
         self.tiles = tiles
 
     def local_stats(self, x, weight, coef, local_label, chunk_size) -> LocalStats:
+        parts, t = self._segment_stats(x, weight, coef, local_label)
+        n = x.shape[0]
+        stats = torch.empty((3, n), dtype=torch.float32, device=x.device)
+        if n:
+            _merge_segments_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
+                parts[0], parts[1], parts[2], stats[0], stats[1], stats[2], n, parts.shape[1],
+                BLOCK=_MERGE_BLOCK, num_warps=4)
+        return LocalStats(stats[0], stats[1], stats[2], t)
+
+    def _segment_stats(self, x, weight, coef, local_label) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([3, segments, N]`` float32 statistics of each vocabulary segment, ``[N]`` label
+        logits): the statistics kernel (one launch) and the label's dot products."""
         n, h = x.shape
         v = weight.shape[0]
         tile = self.tiles.fwd
@@ -303,6 +334,9 @@ class TritonFused(Backend):
         x, weight = x.contiguous(), weight.contiguous()
         coef, local_label = coef.contiguous(), local_label.contiguous()
         parts = torch.empty((3, segments, n), dtype=torch.float32, device=x.device)
+        t = torch.empty(n, dtype=torch.float32, device=x.device)
+        if n == 0:
+            return parts, t
         sms = _num_sms(x.device.index or 0)
         # One launch, its programs in groups of _FWD_GROUP tokens: a group's programs fill the
         # GPU about once and walk the weight together, and groups follow one another. (A launch
@@ -319,13 +353,23 @@ class TritonFused(Backend):
             seg_tiles, segments, segs_per_split, splits, group,
             EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch(),
         )
-        stats = torch.empty((4, n), dtype=torch.float32, device=x.device)
-        _merge_segments_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
-            parts[0], parts[1], parts[2], stats[0], stats[1], stats[2], n, segments,
-            BLOCK=_MERGE_BLOCK, num_warps=4)
-        _target_logit_kernel[(n,)](x, weight, coef, local_label, stats[3], h, x.stride(0),
+        _target_logit_kernel[(n,)](x, weight, coef, local_label, t, h, x.stride(0),
                                    weight.stride(0), BLOCK_H=1024, num_warps=4)
-        return LocalStats(*stats)
+        return parts, t
+
+    def stats(self, x, weight, coef, local_label, valid, chunk_size, group, ordered):
+        if group is not None:  # the shards' statistics combined over the group: in torch
+            return super().stats(x, weight, coef, local_label, valid, chunk_size, group, ordered)
+        parts, t = self._segment_stats(x, weight, coef, local_label)
+        n = x.shape[0]
+        out = [torch.empty(n, dtype=torch.float32, device=x.device) for _ in range(5)]
+        best = torch.empty(n, dtype=torch.bool, device=x.device)
+        if n:  # one rank: the merge finishes them (as Backend.stats would, in one launch)
+            _merge_final_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
+                parts[0], parts[1], parts[2], t, valid, out[0], out[1], out[2], best, out[3], out[4],
+                n, parts.shape[1], BLOCK=_MERGE_BLOCK,
+                PRECISE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4)
+        return out[0], out[1], out[2], best, out[3], out[4]
 
     @staticmethod
     def gathered_dots(x, weight, rows):
@@ -345,9 +389,11 @@ class TritonFused(Backend):
         tile = self.tiles.bwd
         bv = tile.block_v
         x, weight = x.contiguous(), weight.contiguous()
-        # Chunk edges at multiples of the tile (and of the dX kernel's K step), so dX's sum over
-        # the vocabulary runs tile after tile in one order however many chunks there are.
-        vc = min(triton.cdiv(v, bv) * bv, max(bv, _BWD_CHUNK_BYTES // (max(n, 1) * x.element_size()) // bv * bv))
+        # Chunks of whole dX segments, so dX's sum over the vocabulary has one shape however
+        # many chunks there are (a chunk of one segment may pass the budget: at V 151936, from
+        # 55000 tokens on).
+        seg = dx_segment(v)
+        vc = min(triton.cdiv(v, seg), max(1, _BWD_CHUNK_BYTES // (max(n, 1) * x.element_size() * seg))) * seg
         chunks = triton.cdiv(v, vc)
         dz = torch.empty((n, vc), dtype=x.dtype, device=x.device)
         dx = torch.empty((n, h), dtype=x.dtype, device=x.device) if need_x else None
@@ -381,7 +427,7 @@ class TritonFused(Backend):
             elif need_w:  # Megatron's main_grad: fp32 accumulation, as its wgrad GEMM does
                 addmm_f32_(dw_accumulator[v0 : v0 + width], chunk.t(), x)
             if need_x:  # float32 between chunks, the input dtype after the last
-                self._hidden_grad(chunk, weight[v0 : v0 + width], dx32 if i > 0 else None,
+                self._hidden_grad(chunk, weight[v0 : v0 + width], seg, dx32 if i > 0 else None,
                                   dx if i == chunks - 1 else dx32)
         return dx, dw
 
@@ -399,11 +445,13 @@ class TritonFused(Backend):
         return out
 
     def hidden_grad(self, dz, weight, out):
-        return self._hidden_grad(dz, weight, None, out)
+        return self._hidden_grad(dz, weight, dx_segment(weight.shape[0]), None, out)
 
-    def _hidden_grad(self, dz, weight, acc, out):
-        """``out = acc + dz @ weight`` (``acc`` float32 or None for 0; ``out`` float32 or the
-        input dtype, rounded once), the vocabulary's sum in one order (see the kernel)."""
+    def _hidden_grad(self, dz, weight, seg, acc, out):
+        """``out = acc + dz @ weight`` over whole segments of ``seg`` columns (``acc`` float32
+        or None for 0; ``out`` contiguous float32, or the input dtype, rounded once), the
+        vocabulary's sum in one shape (see the kernel), split over more programs where the
+        tiles alone would not fill the GPU."""
         n, v = dz.shape
         h = weight.shape[1]
         if n == 0:
@@ -413,12 +461,23 @@ class TritonFused(Backend):
         if dz.stride(1) != 1:
             dz = dz.contiguous()
         a, b, tma = _product_operands(dz, weight, tile, self.tiles.tma)
-        grid = (triton.cdiv(n, tile.block_n) * triton.cdiv(h, tile.block_v),)
-        acc_in = acc is not None
-        _hidden_grad_kernel[grid](a, b, acc if acc_in else out, out, n, h, v, dz.stride(0), weight.stride(0),
-                                  (acc if acc_in else out).stride(0), out.stride(0),
-                                  EVEN_K=v % tile.block_k == 0, USE_TMA=tma, GROUP=_DX_GROUP,
-                                  ACC_IN=acc_in, **tile.launch())
+        segments = triton.cdiv(v, seg)
+        tiles = triton.cdiv(n, tile.block_n) * triton.cdiv(h, tile.block_v)
+        split = (segments > 1 and tiles < 2 * _num_sms(dz.device.index or 0)
+                 and segments * n * h * 4 <= _DX_SPLIT_BYTES)
+        cont = acc is not None
+        common = dict(USE_TMA=tma, GROUP=_DX_GROUP, CONTINUE=cont, **tile.launch())
+        if not split:
+            _hidden_grad_kernel[(tiles,)](a, b, acc if cont else out, out, out, n, h, v, seg, segments,
+                                          dz.stride(0), weight.stride(0), out.stride(0),
+                                          SPLIT=False, **common)
+            return out
+        parts = torch.empty((segments, n, h), dtype=torch.float32, device=dz.device)
+        _hidden_grad_kernel[(tiles * segments,)](a, b, parts, parts, parts, n, h, v, seg, segments,
+                                                 dz.stride(0), weight.stride(0), h, SPLIT=True, **common)
+        _merge_partials_kernel[(triton.cdiv(n * h, _MERGE_DX_BLOCK),)](
+            parts, acc if cont else out, out, n * h, segments, BLOCK=_MERGE_DX_BLOCK, CONTINUE=cont,
+            num_warps=4)
         return out
 
     def row_loss(self, z, p, rows, local_label, token_loss, dz, loss, logprob, entropy) -> None:
@@ -444,6 +503,16 @@ class TritonFused(Backend):
             # Triton's CPU interpreter (the CPU tests) has no libdevice: tl.exp / tl.log there
             GRAD=dz is not None, PRECISE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8)
         return None
+
+    @staticmethod
+    def scale_cast(t32: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``t32 * grad`` (a float32 scalar tensor) rounded once to ``dtype``, in one pass."""
+        out = torch.empty(t32.shape, dtype=dtype, device=t32.device)
+        n = t32.numel()
+        if n:
+            _scale_cast_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](
+                t32, grad.float().reshape(1), out, n, BLOCK=_SCALE_BLOCK, num_warps=8)
+        return out
 
     @staticmethod
     def token_terms(logprob, entropy, valid, token_weight, loss, inputs):

@@ -9,6 +9,7 @@ from __future__ import annotations
 try:  # Triton is optional; the torch backend needs none of this.
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
     tl = None
@@ -105,16 +106,14 @@ if triton is not None:
             a = tl.where(last, 0.0, a)
 
     @triton.jit
-    def _merge_segments_kernel(M, S, A, OM, OS, OA, N, segments, BLOCK: tl.constexpr):
-        """The segments' statistics of each token, added in segment order (a fixed order,
-        whatever the number of tokens: a reduction's order in PyTorch may follow the shape)."""
-        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < N
-        m = tl.full([BLOCK], -float("inf"), dtype=tl.float32)
+    def _merged(M, S, A, cols, mask, N, segments):
+        """A block of tokens' segment statistics added in segment order (a fixed order, whatever
+        the number of tokens: a reduction's order in PyTorch may follow the shape)."""
+        m = tl.full(cols.shape, -float("inf"), dtype=tl.float32)
         for i in range(0, segments):
             m = tl.maximum(m, tl.load(M + i * N + cols, mask=mask, other=0.0))
-        s = tl.zeros([BLOCK], dtype=tl.float32)
-        a = tl.zeros([BLOCK], dtype=tl.float32)
+        s = tl.zeros(cols.shape, dtype=tl.float32)
+        a = tl.zeros(cols.shape, dtype=tl.float32)
         for i in range(0, segments):
             mi = tl.load(M + i * N + cols, mask=mask, other=0.0)
             si = tl.load(S + i * N + cols, mask=mask, other=0.0)
@@ -123,9 +122,43 @@ if triton is not None:
             alpha = tl.exp(shift)
             s += si * alpha
             a += (ai + shift * si) * alpha
+        return m, s, a
+
+    @triton.jit
+    def _merge_segments_kernel(M, S, A, OM, OS, OA, N, segments, BLOCK: tl.constexpr):
+        """The statistics of this rank's vocabulary (to be combined over the group)."""
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        m, s, a = _merged(M, S, A, cols, mask, N, segments)
         tl.store(OM + cols, m, mask=mask)
         tl.store(OS + cols, s, mask=mask)
         tl.store(OA + cols, a, mask=mask)
+
+    @triton.jit
+    def _merge_final_kernel(M, S, A, T, VALID, LP, ENT, LOGZ, BEST, OM, OLOGS, N, segments,
+                            BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+        """The whole vocabulary's statistics (one rank), finished as ``autograd.combine`` and
+        the statistics op finish them over a group: log-prob and entropy (0 where ignored),
+        log Z, whether the label is the row's maximum (``autograd.label_is_row_max``), and the
+        max and log s the backward takes."""
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        m, s, a = _merged(M, S, A, cols, mask, N, segments)
+        s = tl.where(mask, s, 1.0)  # lanes past the end: no log of 0
+        if PRECISE:  # torch.log's own (libdevice); the interpreter has numpy's
+            log_s = libdevice.log(s)
+        else:
+            log_s = tl.log(s)
+        ent = log_s - tl.math.div_rn(a, s)
+        t = tl.load(T + cols, mask=mask, other=0.0)
+        valid = tl.load(VALID + cols, mask=mask, other=0) != 0
+        best = t >= m - tl.maximum(tl.abs(m), 1.0) * 9.5367431640625e-07  # 2**-20
+        tl.store(LP + cols, tl.where(valid, (t - m) - log_s, 0.0), mask=mask)
+        tl.store(ENT + cols, tl.where(valid, ent, 0.0), mask=mask)
+        tl.store(LOGZ + cols, m + log_s, mask=mask)
+        tl.store(BEST + cols, valid & best, mask=mask)
+        tl.store(OM + cols, m, mask=mask)
+        tl.store(OLOGS + cols, log_s, mask=mask)
 
     @triton.jit
     def _target_logit_kernel(X, W, COEF, LABEL, T, H, stride_x, stride_w, BLOCK_H: tl.constexpr):
@@ -211,23 +244,57 @@ if triton is not None:
         tl.store(Z + rows[:, None].to(tl.int64) * stride_z + cols[None, :], z,
                  mask=rmask[:, None] & cmask[None, :])
 
-    # dX = dz @ W ([N, V] @ [V, H]), the vocabulary's sum walked tile after tile in one order
-    # whatever N (cuBLAS splits that sum, split-K, for fewer rows: a token's dX row then changed
-    # with the call's size; benchmarks/profile_invariant.py --sections fused). A call may walk
-    # the vocabulary in chunks: ACC_IN starts from the float32 sum of the chunks before (ACC),
-    # so with chunks cut at multiples of BLOCK_K the tiles are summed in the same order, and a
-    # row gets the same bits, whatever the chunks. OUT is float32 (more chunks to come) or the
-    # input dtype (the last: rounded once).
+    # dX = dz @ W ([N, V] @ [V, H]) with its sum over the vocabulary in a fixed shape: the
+    # vocabulary is cut into segments (from its size alone: triton_fused.dx_segment), each
+    # segment's partial sum formed from 0 tile after tile, the partials added in segment order
+    # (((P0 + P1) + P2) + ...). A program may form its tile's partials one after another and
+    # add them in registers (SPLIT False), or form one segment's partial for the merge kernel
+    # to add (SPLIT True: more programs where the tokens are few, the same bits); a call may
+    # cut the vocabulary into chunks of whole segments, carrying the float32 sum between them
+    # (CONTINUE: the chunks before have left it in ACC). cuBLAS splits the sum (split-K) by the
+    # number of rows: a token's dX row then changed with the call's size (H100, measured;
+    # benchmarks/profile_invariant.py --sections fused).
+    @triton.jit
+    def _segment_partial(DZ, W, rows, cols, rmask, cmask, row0, col0, k0, k_end, stride_dz, stride_w,
+                         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                         USE_TMA: tl.constexpr):
+        """fp32 ``dz[rows, k0:k_end] @ W[k0:k_end, cols]``, from 0, tile after tile (DZ, W: the
+        chunk's; TMA zero-fills past its end, the pointer loads mask)."""
+        acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+        if USE_TMA:
+            for k in range(k0, k_end, BLOCK_K):
+                a = DZ.load([row0, k])
+                b = W.load([k, col0])
+                acc = tl.dot(a, b, acc)
+        else:
+            offs_k = tl.arange(0, BLOCK_K)
+            for k in range(k0, k_end, BLOCK_K):
+                kmask = offs_k < k_end - k
+                a = tl.load(DZ + rows[:, None].to(tl.int64) * stride_dz + (k + offs_k)[None, :],
+                            mask=rmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(W + (k + offs_k)[:, None].to(tl.int64) * stride_w + cols[None, :],
+                            mask=kmask[:, None] & cmask[None, :], other=0.0)
+                acc = tl.dot(a, b, acc)
+        return acc
+
     @triton.jit
     def _hidden_grad_kernel(
-        DZ, W, ACC, OUT, N, H, V, stride_dz, stride_w, stride_acc, stride_out,
-        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        USE_TMA: tl.constexpr, GROUP: tl.constexpr, ACC_IN: tl.constexpr,
+        DZ, W, ACC, OUT, PARTS, N, H, V, seg_cols, segments, stride_dz, stride_w, stride_o,
+        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+        USE_TMA: tl.constexpr, GROUP: tl.constexpr, SPLIT: tl.constexpr, CONTINUE: tl.constexpr,
     ):
-        # GROUP row blocks walk the vocabulary together: their dz and W tiles are read from L2
+        """This chunk's ``segments`` (of ``seg_cols`` columns, V in all) of dX: SPLIT, program
+        (tile, segment) stores the segment's partial in PARTS[segment]; else program (tile)
+        adds them in order to the sum (ACC's with CONTINUE) and stores it to OUT (float32, or
+        the input dtype after the last chunk: rounded once). Contiguous [N, H] ACC/OUT/PARTS."""
         pid = tl.program_id(0)
         row_blocks = tl.cdiv(N, BLOCK_N)
         per_group = GROUP * tl.cdiv(H, BLOCK_V)
+        seg = 0
+        if SPLIT:  # segment slowest: the programs running together share a segment's W tiles
+            seg = pid // (row_blocks * tl.cdiv(H, BLOCK_V))
+            pid = pid % (row_blocks * tl.cdiv(H, BLOCK_V))
+        # GROUP row blocks walk the vocabulary together: their dz and W tiles are read from L2
         first = pid // per_group * GROUP
         size = tl.minimum(row_blocks - first, GROUP)
         pid_n = first + pid % per_group % size
@@ -236,34 +303,42 @@ if triton is not None:
         cols = pid_h * BLOCK_V + tl.arange(0, BLOCK_V)
         rmask, cmask = rows < N, cols < H
         omask = rmask[:, None] & cmask[None, :]
-        if ACC_IN:
-            acc = tl.load(ACC + rows[:, None].to(tl.int64) * stride_acc + cols[None, :], mask=omask,
-                          other=0.0)
+        at = rows[:, None].to(tl.int64) * stride_o + cols[None, :]
+        if SPLIT:
+            k0 = seg * seg_cols
+            part = _segment_partial(DZ, W, rows, cols, rmask, cmask, pid_n * BLOCK_N, pid_h * BLOCK_V,
+                                    k0, tl.minimum(k0 + seg_cols, V), stride_dz, stride_w,
+                                    BLOCK_N, BLOCK_V, BLOCK_K, USE_TMA)
+            tl.store(PARTS + seg.to(tl.int64) * N * H + at, part, mask=omask)
         else:
-            acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
-        if USE_TMA:  # the copy engine zero-fills out-of-bounds rows, columns and K tails
-            for k in range(0, tl.cdiv(V, BLOCK_K)):
-                a = DZ.load([pid_n * BLOCK_N, k * BLOCK_K])
-                b = W.load([k * BLOCK_K, pid_h * BLOCK_V])
-                acc = tl.dot(a, b, acc)
-        else:
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptr = DZ + rows[:, None].to(tl.int64) * stride_dz + offs_k[None, :]
-            b_ptr = W + offs_k[:, None].to(tl.int64) * stride_w + cols[None, :]
-            for k in range(0, tl.cdiv(V, BLOCK_K)):
-                if EVEN_K:
-                    a = tl.load(a_ptr, mask=rmask[:, None], other=0.0)
-                    b = tl.load(b_ptr, mask=cmask[None, :], other=0.0)
-                else:
-                    kmask = offs_k < V - k * BLOCK_K
-                    a = tl.load(a_ptr, mask=rmask[:, None] & kmask[None, :], other=0.0)
-                    b = tl.load(b_ptr, mask=kmask[:, None] & cmask[None, :], other=0.0)
-                acc = tl.dot(a, b, acc)
-                a_ptr += BLOCK_K
-                b_ptr += BLOCK_K * stride_w.to(tl.int64)
-        tl.store(OUT + rows[:, None].to(tl.int64) * stride_out + cols[None, :],
-                 acc.to(OUT.dtype.element_ty), mask=omask)
+            if CONTINUE:
+                total = tl.load(ACC + at, mask=omask, other=0.0)
+            else:
+                total = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+            for s in range(0, segments):
+                k0 = s * seg_cols
+                part = _segment_partial(DZ, W, rows, cols, rmask, cmask, pid_n * BLOCK_N,
+                                        pid_h * BLOCK_V, k0, tl.minimum(k0 + seg_cols, V),
+                                        stride_dz, stride_w, BLOCK_N, BLOCK_V, BLOCK_K, USE_TMA)
+                if CONTINUE:
+                    total = total + part
+                else:  # the call's first segment is the sum itself (no 0 + P0: its zeros' sign)
+                    total = tl.where(s == 0, part, total + part)
+            tl.store(OUT + at, total.to(OUT.dtype.element_ty), mask=omask)
 
+    @triton.jit
+    def _merge_partials_kernel(PARTS, ACC, OUT, NH, segments, BLOCK: tl.constexpr,
+                               CONTINUE: tl.constexpr):
+        """The SPLIT partials added in segment order, as the sequential form adds them."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < NH
+        if CONTINUE:
+            total = tl.load(ACC + offs, mask=mask, other=0.0) + tl.load(PARTS + offs, mask=mask, other=0.0)
+        else:
+            total = tl.load(PARTS + offs, mask=mask, other=0.0)
+        for s in range(1, segments):
+            total = total + tl.load(PARTS + s * NH + offs, mask=mask, other=0.0)
+        tl.store(OUT + offs, total.to(OUT.dtype.element_ty), mask=mask)
 
     # Given ids' columns of the logit gradient (``selected_ids``: their logits' gradients g).
     # The tiles leave them out: a K-wide compare over every tile cost a third of the backward,
@@ -378,3 +453,14 @@ if triton is not None:
                 dl = -p * g1
             dl += tl.where(cols == label, g1, 0.0)
             tl.store(out + cols, (dl * coef).to(DZ.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _scale_cast_kernel(X, G, OUT, n, BLOCK: tl.constexpr):
+        """``OUT = X * G[0]`` (float32 ``X``, a scalar's one element ``G``) rounded once to
+        OUT's dtype: the fused losses' float32 gradients times the upstream gradient. (torch's
+        mul into a tensor of another dtype takes a path half the memory bandwidth's speed.)"""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(G)
+        x = tl.load(X + offs, mask=mask, other=0.0)
+        tl.store(OUT + offs, (x * g).to(OUT.dtype.element_ty), mask=mask)
