@@ -176,13 +176,15 @@ def term_grads(
 class FusedLoss(NamedTuple):
     """What :meth:`Backend.fused_loss` returns: float32 ``[N]`` per-token terms, log-probs and
     entropies (None when the loss did not ask for them), and the float32 dX ``[N, H]`` and dW
-    ``[V_local, H]`` of the summed loss (None where not needed)."""
+    ``[V_local, H]`` of the summed loss (None where not needed, or where the logit gradient
+    ``dz`` is kept for the backward to form dW from)."""
 
     loss: torch.Tensor
     logprob: torch.Tensor
     entropy: Optional[torch.Tensor]
     dx: Optional[torch.Tensor]
     dw: Optional[torch.Tensor]
+    dz: Optional[torch.Tensor] = None  # with defer_weight_grad: the logit gradient [N, V_local]
 
 
 class Backend:
@@ -297,13 +299,15 @@ class Backend:
     def fused_loss(
         self, x: torch.Tensor, weight: torch.Tensor, p: KernelParams, local_label: torch.Tensor,
         token_loss: TokenLoss, need_x: bool, need_w: bool, dw_sum: Optional[torch.Tensor] = None,
+        defer_weight_grad: bool = False,
     ) -> FusedLoss:
         """``sum_i f_i`` of a :class:`TokenLoss` and its gradients, in token chunks: each chunk's
         fp32 logits are made (``logits``; half a chunk at a time where a whole one would pass the
         budget), turned into statistics, terms and their logit gradient (``row_loss``); then dX
         (``hidden_grad``) and dW (cuBLAS: a sum over tokens) take the chunk's gradient (3
         matmuls in all, 6NHV). ``dw_sum``: a float32 buffer dW is added into (and returned)
-        instead of a new one."""
+        instead of a new one. ``defer_weight_grad`` (one chunk, dW returned, not added into an
+        accumulator): no dW here; the logit gradient comes back as ``dz`` instead."""
         n, v_local = x.shape[0], weight.shape[0]
         weight = weight.contiguous()  # once, not in each chunk's products
         f32 = dict(dtype=torch.float32, device=x.device)
@@ -322,6 +326,8 @@ class Backend:
         # accumulator); their fp32 logits are made half a chunk at a time (the chunk is sized
         # for that), or all at once where the whole call is at most half the budget's chunk.
         c = min(p.chunk_size, n)
+        if defer_weight_grad and (c < n or into is not None or not need_w or dw_sum is not None):
+            raise ValueError("defer_weight_grad: needs the call in one chunk and dW returned")
         cz = c if 2 * n <= p.chunk_size else -(-c // 2)
         z = torch.empty((cz, v_local), **f32)
         dz = torch.empty((c, v_local), dtype=x.dtype, device=x.device) if need_grad else None
@@ -341,6 +347,8 @@ class Backend:
                 self.hidden_grad(dzc, weight, dx[start:end])
             if need_w and into is not None:
                 addmm_f32_(into, dzc.t(), xc, alpha=p.upstream_grad)
+            elif need_w and defer_weight_grad:
+                return FusedLoss(loss, logprob, entropy, dx, None, dz)
             elif need_w:
                 if start == 0 and dw_sum is None:
                     mm_f32(dzc.t(), xc, out=dw)

@@ -122,7 +122,9 @@ class InvariantBlocks(Backend):
         return dx, acc.to(weight.dtype)
 
     def fused_loss(self, x, weight, p, local_label, token_loss, need_x, need_w,
-                   dw_sum: Optional[torch.Tensor] = None) -> FusedLoss:
+                   dw_sum: Optional[torch.Tensor] = None, defer_weight_grad: bool = False) -> FusedLoss:
+        if defer_weight_grad:
+            raise ValueError("defer_weight_grad: not on fixed-shape blocks")
         b, n = self.block, x.shape[0]
         into = p.weight_grad_accumulator is not None and p.upstream_grad is not None
         total = None

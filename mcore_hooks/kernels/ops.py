@@ -34,6 +34,7 @@ from . import candidates as cand
 from .losses import PolicyLoss, WeightedNLL, per_token_loss
 from .options import KernelParams
 from .invariant import InvariantBlocks, block_rows, blocks, padded
+from .matmul import mm_f32
 from .torch_chunked import TorchChunked
 from .dispatch import call, custom_op, register_autograd
 
@@ -450,6 +451,20 @@ def _terms_backward(ctx, d_terms, _d_lp, _d_ent):
 register_autograd(token_terms, _terms_backward, _terms_setup)
 
 
+def _defers_weight_grad(backend: str, n: int, weight: Tensor, chunk_size: int,
+                        sequence_parallel: bool, need_w: bool, into: bool) -> bool:
+    """Whether a fused loss keeps its logit gradient for the backward to form dW from, rather
+    than forming dW in float32 in the forward (few tokens on the Triton backend: see
+    ``TritonFused.saved_dz_bytes``; one chunk; dW returned, not added into an accumulator; the
+    backward then needs the hidden states, which sequence parallelism would have to gather
+    again: not there). From shapes alone, so the fake implementation agrees."""
+    if not need_w or into or sequence_parallel or backend.partition("+")[0] != "triton" or n > chunk_size:
+        return False
+    from . import triton_fused
+
+    return n * weight.shape[0] * weight.element_size() <= triton_fused.TritonFused.saved_dz_bytes
+
+
 def _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel,
                 chunk_size, backend, accumulator, upstream_grad, token_weight, policy, inputs,
                 need_x, need_w):
@@ -457,20 +472,28 @@ def _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequenc
                 accumulator, upstream_grad)
     x = ag.gather_tokens(hidden, p.group) if sequence_parallel else hidden
     local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
+    defer = _defers_weight_grad(backend, x.shape[0], weight, chunk_size, sequence_parallel, need_w,
+                                accumulator is not None)
     r = _backend(backend, hidden.device).fused_loss(
-        x, weight, p, local_label, _token_loss(token_weight, policy, inputs, valid), need_x, need_w)
+        x, weight, p, local_label, _token_loss(token_weight, policy, inputs, valid), need_x, need_w,
+        defer_weight_grad=defer)
     entropy = r.entropy if r.entropy is not None else torch.zeros_like(r.logprob)
+    dw = r.dz if defer else r.dw
     return (r.loss.sum(), r.logprob, entropy, _nothing(x) if r.dx is None else r.dx,
-            _nothing(weight) if r.dw is None else r.dw)
+            _nothing(weight) if dw is None else dw)
 
 
 _FUSED_NAME = "linear_cross_entropy / linear_policy_loss"
 
 
-def _fused_fake(hidden, weight, labels, need_x, need_w, into: bool):
+def _fused_fake(hidden, weight, labels, need_x, need_w, into: bool, chunk_size: int = 0,
+                backend: str = "", sequence_parallel: bool = False):
     n = labels.shape[0]
     dx = hidden.new_empty((n, hidden.shape[1]), dtype=_F32) if need_x else _nothing(hidden)
-    dw = weight.new_empty(weight.shape, dtype=_F32) if need_w and not into else _nothing(weight)
+    if _defers_weight_grad(backend, n, weight, chunk_size, sequence_parallel, need_w, into):
+        dw = weight.new_empty((n, weight.shape[0]))  # the logit gradient, for the backward
+    else:
+        dw = weight.new_empty(weight.shape, dtype=_F32) if need_w and not into else _nothing(weight)
     return (hidden.new_empty((), dtype=_F32), hidden.new_empty(n, dtype=_F32),
             hidden.new_empty(n, dtype=_F32), dx, dw)
 
@@ -484,9 +507,11 @@ def fused_token_loss(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, logprob, entropy, dX, dW)``: the summed loss (float32 scalar), detached per-token
     log-probs and entropies (zeros where the loss does not use them), and the float32 gradients
-    of the loss, all tokens' dX and this rank's dW (empty where not needed). The loss is the
-    weighted NLL (``policy`` None) or a :class:`PolicyLoss` (its fields,
-    :func:`policy_loss_data`) with its ``input_names`` tensors in ``inputs``."""
+    of the loss, all tokens' dX and this rank's dW (empty where not needed; for few tokens, see
+    :func:`_defers_weight_grad`, the logit gradient ``[N, V_local]`` in the input dtype
+    instead, which the backward forms dW from). The loss is the weighted NLL (``policy``
+    None) or a :class:`PolicyLoss` (its fields, :func:`policy_loss_data`) with its
+    ``input_names`` tensors in ``inputs``."""
     return _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel,
                        chunk_size, backend, None, None, token_weight, policy, inputs, need_x, need_w)
 
@@ -494,7 +519,8 @@ def fused_token_loss(
 @fused_token_loss.register_fake
 def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
       token_weight, policy, inputs, need_x, need_w):
-    return _fused_fake(hidden, weight, labels, need_x, need_w, into=False)
+    return _fused_fake(hidden, weight, labels, need_x, need_w, False, chunk_size, backend,
+                       sequence_parallel)
 
 
 def _fused_setup(ctx, inputs, output):
@@ -504,7 +530,8 @@ def _fused_setup(ctx, inputs, output):
     # float32 gradients are for the backward (no zeros made for their gradients)
     ctx.mark_non_differentiable(logprob, entropy, dx32, dw32)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(dx32, dw32)
+    deferred = dw32.numel() and dw32.dtype != _F32  # the logit gradient: dW formed from it
+    ctx.save_for_backward(dx32, dw32, hidden if deferred else None)
     ctx.group, ctx.sp, ctx.ordered, ctx.num_inputs = group, sp, invariant(backend), len(inputs[12])
     ctx.hidden_shape, ctx.dtype = hidden.shape, hidden.dtype
 
@@ -528,11 +555,23 @@ def _hidden_grad(ctx, dx32: Tensor, grad: Tensor) -> Optional[Tensor]:
                               ctx.ordered).view(ctx.hidden_shape)
 
 
+def _weight_grad(dz: Tensor, x: Tensor, grad: Tensor) -> Tensor:
+    """``grad * dz.T @ x``, rounded once to x's dtype: one Triton product eager, cuBLAS's float32
+    product and :func:`_scaled` where traced."""
+    if torch.compiler.is_compiling():
+        return _scaled(mm_f32(dz.t(), x), grad, x.dtype)
+    from . import triton_fused
+
+    return triton_fused.TritonFused.weight_grad(dz, x, grad)
+
+
 def _fused_backward(ctx, grad, *_):
-    dx32, dw32 = ctx.saved_tensors
+    dx32, dw32, x = ctx.saved_tensors
     if grad is None:
         grad = torch.zeros((), dtype=_F32, device=dx32.device)
-    dw = _scaled(dw32, grad, ctx.dtype) if ctx.needs_input_grad[1] and dw32.numel() else None
+    dw = None
+    if ctx.needs_input_grad[1] and dw32.numel():
+        dw = _scaled(dw32, grad, ctx.dtype) if x is None else _weight_grad(dw32, x, grad)
     dx, dw = ag.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw)
     # one entry per input, a list for the list of tensors
     return (dx, dw) + (None,) * 10 + ([None] * ctx.num_inputs, None, None)

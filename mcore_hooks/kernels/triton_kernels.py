@@ -464,3 +464,28 @@ if triton is not None:
         g = tl.load(G)
         x = tl.load(X + offs, mask=mask, other=0.0)
         tl.store(OUT + offs, (x * g).to(OUT.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _weight_grad_kernel(DZ, X, G, DW, N, V, H, stride_dz, stride_x, stride_dw,
+                            BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+        """``DW = G[0] * dz.T @ X`` ([V, N] @ [N, H], float32 sums of exact products, times
+        the upstream gradient, rounded once to DW's dtype): a fused loss's weight gradient
+        from its saved logit gradient, in the backward (few tokens: the sum is short, the
+        output long). H tile fastest: the programs running together share a dz tile."""
+        pid = tl.program_id(0)
+        num_h = tl.cdiv(H, BLOCK_H)
+        vs = (pid // num_h) * BLOCK_V + tl.arange(0, BLOCK_V)
+        hs = (pid % num_h) * BLOCK_H + tl.arange(0, BLOCK_H)
+        vmask, hmask = vs < V, hs < H
+        acc = tl.zeros([BLOCK_V, BLOCK_H], dtype=tl.float32)
+        for k in range(0, N, BLOCK_K):
+            ks = k + tl.arange(0, BLOCK_K)
+            kmask = ks < N
+            a = tl.load(DZ + ks[:, None].to(tl.int64) * stride_dz + vs[None, :],
+                        mask=kmask[:, None] & vmask[None, :], other=0.0)
+            b = tl.load(X + ks[:, None].to(tl.int64) * stride_x + hs[None, :],
+                        mask=kmask[:, None] & hmask[None, :], other=0.0)
+            acc = tl.dot(tl.trans(a), b, acc)
+        g = tl.load(G)
+        tl.store(DW + vs[:, None].to(tl.int64) * stride_dw + hs[None, :],
+                 (acc * g).to(DW.dtype.element_ty), mask=vmask[:, None] & hmask[None, :])
