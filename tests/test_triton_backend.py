@@ -730,3 +730,33 @@ def test_each_familys_tiles_fit_that_gpu(family, capability, limit):
 
 if __name__ == "__main__":  # the subprocess of the test above
     print(json.dumps(_shared_memory_report(sys.argv[1], int(sys.argv[2]))))
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_the_prologue_kernel_matches_the_torch_form(per_token):
+    """The entry points' one-launch prologue (CUDA, values unchecked) against its torch form:
+    the same validity, coefficients (NaN for a label outside the vocabulary and for a
+    temperature not positive and finite) and local rows, on a rank of a split vocabulary."""
+    from mcore_hooks.kernels.arguments import _coefficients
+    from mcore_hooks.kernels.autograd import local_labels
+
+    g = torch.Generator().manual_seed(13)
+    n, v_total, start, v_local = 3000, 1000, 250, 250
+    labels = torch.randint(-3, v_total + 3, (n,), generator=g)
+    labels[::5] = -100
+    temp = torch.rand(n, generator=g) + 0.1
+    temp[1::97], temp[2::89], temp[3::83], temp[4::79] = 0.0, float("nan"), float("inf"), -1.0
+    given = temp if per_token else 0.7
+    valid, coef, local = triton_fused.TritonFused.prologue(
+        labels.to(DEVICE), temp.to(DEVICE) if per_token else None,
+        0 if per_token else 1.5 / 0.7, 1.5, -100, v_total, start, v_local)
+    want_valid = labels != -100
+    bad = want_valid & ((labels < 0) | (labels >= v_total))
+    from mcore_hooks.kernels.debug import debug_checks
+
+    with debug_checks(False):
+        want_coef = torch.where(bad, torch.nan, _coefficients(given, 1.5, n, torch.device("cpu")))
+    assert torch.equal(valid.cpu(), want_valid)
+    assert torch.equal(local.cpu(), local_labels(labels, want_valid, start, v_local))
+    assert torch.equal(coef.cpu().isnan(), want_coef.isnan())
+    assert torch.equal(coef.cpu().nan_to_num(), want_coef.nan_to_num())

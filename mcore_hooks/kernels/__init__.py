@@ -241,10 +241,9 @@ def _selected(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams, ids: 
     output is then ``-logZ``, with the gradient ``-p``), one backward taking both gradients."""
     none = torch.full_like(p.labels, -1)
     cols = torch.cat([ids, torch.where(p.valid, p.labels, -1).unsqueeze(1)], dim=1) if with_label else ids
-    out = ops.logsoftmax_stats(hidden, weight, none, p.valid, p.coef, p.vocab_start,
-                               ops.group_name(p.group), p.sequence_parallel, p.chunk_size, p.backend,
-                               p.weight_grad_accumulator, p.dummy_weight_grad, cols,
-                               torch.compiler.is_compiling())
+    out = call(ops.logsoftmax_stats, hidden, weight, none, p.valid, p.coef, p.vocab_start,
+               ops.group_name(p.group), p.sequence_parallel, p.chunk_size, p.backend,
+               p.weight_grad_accumulator, p.dummy_weight_grad, cols, torch.compiler.is_compiling())
     neg_logz, entropy, logz, m, log_s, logits = out[0], out[1], out[2], out[4], out[5], out[7]
     # (l - m) - log s, as the statistics pass rounds it; the gradient of -logZ added as an exact 0
     value = (logits - m.unsqueeze(1)) - log_s.unsqueeze(1)

@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .autograd import Backend, group_rank_size
+from .autograd import Backend, group_rank_size, local_labels
 from .debug import check_values
 from .invariant import block_rows
 from .options import KernelParams, is_finite
@@ -133,26 +133,33 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
 
     dev = hidden.device
+    vocab_start, v_local = int(parallel.vocab_start), weight.shape[0]
     if labels is None:
         gl = torch.full((n,), -1, dtype=torch.long, device=dev)
         valid = torch.ones(n, dtype=torch.bool, device=dev)
-        bad = None
+        coef = _coefficients(temperature, logit_scale, n, dev)
+        local = gl
     else:
         if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
             raise TypeError(f"labels: expected an integer tensor, got {getattr(labels, 'dtype', type(labels).__name__)}")
         if labels.shape != (n,):
             raise ValueError(f"labels: expected shape ({n},) (one per token), got {tuple(labels.shape)}")
         gl = labels.to(device=dev, dtype=torch.long)
-        valid = gl != ignore_index
-        bad = valid & ((gl < 0) | (gl >= v_total))
-        if check_values(bad) and bool(bad.any()):
-            raise ValueError(
-                f"labels: {int(bad.sum())} id(s) outside [0, {v_total}) and not ignore_index="
-                f"{ignore_index}, e.g. {int(gl[bad][0])}"
-            )
-    coef = _coefficients(temperature, logit_scale, n, dev)
-    if bad is not None:  # unchecked (CUDA, debug checks off): such a token gives NaN, not a number
-        coef = torch.where(bad, torch.nan, coef)
+        fast = _prologue(gl, temperature, logit_scale, ignore_index, n, v_total, vocab_start, v_local)
+        if fast is not None:
+            valid, coef, local = fast
+        else:
+            valid = gl != ignore_index
+            bad = valid & ((gl < 0) | (gl >= v_total))
+            if check_values(bad) and bool(bad.any()):
+                raise ValueError(
+                    f"labels: {int(bad.sum())} id(s) outside [0, {v_total}) and not ignore_index="
+                    f"{ignore_index}, e.g. {int(gl[bad][0])}"
+                )
+            coef = _coefficients(temperature, logit_scale, n, dev)
+            # unchecked (CUDA, debug checks off): such a token gives NaN, not a number
+            coef = torch.where(bad, torch.nan, coef)
+            local = local_labels(gl, valid, vocab_start, v_local)
     if accumulator is not None and (
         not isinstance(accumulator, torch.Tensor) or accumulator.dtype != torch.float32
         or accumulator.shape != weight.shape or accumulator.device != weight.device
@@ -174,8 +181,30 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
     group = parallel.group if tp > 1 else None
     if batch_invariant:
         backend_impl += "+invariant"
-    return KernelParams(gl, valid, coef, int(parallel.vocab_start), group, sp, chunk_size, backend_impl,
-                        accumulator, dummy_weight_grad, upstream_grad)
+    return KernelParams(gl, valid, coef, vocab_start, group, sp, chunk_size, backend_impl,
+                        accumulator, dummy_weight_grad, upstream_grad, local)
+
+
+def _prologue(labels: torch.Tensor, temperature: Any, logit_scale: float, ignore_index: int, n: int,
+              v_total: int, vocab_start: int, v_local: int):
+    """``(valid, coef, local labels)`` in one Triton launch where the inputs are on a GPU it runs
+    on and no value is to be checked (the torch form's dozen operations cost the host more than
+    the GPU work of a small call); None elsewhere. The temperature's form is checked first."""
+    if not labels.is_cuda or check_values(labels) or torch.compiler.is_compiling():
+        return None
+    from . import triton_fused
+
+    if triton_fused.device_tiles(labels.device) is None:
+        return None
+    coef = 0.0
+    if isinstance(temperature, torch.Tensor):
+        _coefficient_tensor_checks(temperature, n)
+        temperature = temperature.detach().to(device=labels.device, dtype=torch.float32).contiguous()
+    else:
+        coef = float(logit_scale) / _scalar_temperature(temperature)
+        temperature = None
+    return triton_fused.TritonFused.prologue(labels.contiguous(), temperature, coef, float(logit_scale),
+                                             ignore_index, v_total, vocab_start, v_local)
 
 
 def check_upstream_grad_option(upstream_grad: Any) -> None:
@@ -304,22 +333,31 @@ def _log_choice(asked: str, chosen: str, dtype: torch.dtype, device: torch.devic
     _log.info("backend=%r runs %s for %s inputs on %s", asked, chosen, dtype, device)
 
 
+def _coefficient_tensor_checks(temperature: torch.Tensor, n: int) -> None:
+    if not temperature.dtype.is_floating_point:
+        raise TypeError(f"temperature: expected a float tensor, got {temperature.dtype}")
+    if temperature.shape != (n,):
+        raise ValueError(f"temperature: expected a float or shape ({n},), got {tuple(temperature.shape)}")
+
+
+def _scalar_temperature(temperature: Any) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature: expected a float or tensor, got {type(temperature).__name__}")
+    if not (is_finite(temperature) and temperature > 0):
+        raise ValueError(f"temperature: expected a positive finite value, got {temperature!r}")
+    return float(temperature)
+
+
 def _coefficients(temperature: Union[float, torch.Tensor], logit_scale: float, n: int,
                   dev: torch.device) -> torch.Tensor:
     """``logit_scale / temperature`` per token, float32 ``[N]``. A per-token temperature that is
     not positive and finite raises where its values are checked, else gives NaN there."""
     if isinstance(temperature, torch.Tensor):
-        if not temperature.dtype.is_floating_point:
-            raise TypeError(f"temperature: expected a float tensor, got {temperature.dtype}")
-        if temperature.shape != (n,):
-            raise ValueError(f"temperature: expected a float or shape ({n},), got {tuple(temperature.shape)}")
+        _coefficient_tensor_checks(temperature, n)
         t = temperature.detach().to(device=dev, dtype=torch.float32)
         ok = torch.isfinite(t) & (t > 0)
         if check_values(t) and not bool(ok.all()):
             raise ValueError("temperature: every value must be positive and finite")
         return torch.where(ok, float(logit_scale) / t, torch.nan)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature: expected a float or tensor, got {type(temperature).__name__}")
-    if not (is_finite(temperature) and temperature > 0):
-        raise ValueError(f"temperature: expected a positive finite value, got {temperature!r}")
-    return torch.full((n,), float(logit_scale) / float(temperature), dtype=torch.float32, device=dev)
+    coef = float(logit_scale) / _scalar_temperature(temperature)
+    return torch.full((n,), coef, dtype=torch.float32, device=dev)

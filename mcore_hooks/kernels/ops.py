@@ -92,8 +92,9 @@ def logsoftmax_stats(
     compiled: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(logprob, entropy, logz, label_is_argmax, max, log_s, gathered hidden, extra logits)``
-    per token; max, log_s and the gathered hidden states (only under sequence parallelism, else
-    empty) are for the backward. ``extra_ids`` (``[N, K]`` global ids, -1 padding): their
+    per token (``labels``: this rank's local rows, ``KernelParams.local_labels``); max, log_s
+    and the gathered hidden states (only under sequence parallelism, else empty) are for the
+    backward. ``extra_ids`` (``[N, K]`` global ids, -1 padding): their
     float32 logits, differentiable, their gradient folded into this pass's backward like the
     label's (empty without). ``accumulator`` and ``placeholder`` are for the backward alone
     (where the weight's gradient goes; whether the weight then gets a zero-stride placeholder).
@@ -103,9 +104,8 @@ def logsoftmax_stats(
         ag.check_accumulator_kept()
     pg = _group(group)
     x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
-    local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
     impl = _backend(backend, hidden.device)
-    logprob, entropy, logz, best, m, log_s = impl.stats(x, weight, coef, local_label, valid,
+    logprob, entropy, logz, best, m, log_s = impl.stats(x, weight, coef, labels, valid,
                                                         chunk_size, pg, invariant(backend))
     extra = _nothing(coef)
     if extra_ids is not None:
@@ -141,7 +141,7 @@ def logsoftmax_stats_backward(
     reduced over the group, this rank's shard under sequence parallelism); empty where not
     asked for, or dW where it went into ``accumulator``. ``extra_g``: the gradient of the
     ``extra_ids``' logits, ``extra_logits`` (the forward's) with them."""
-    local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
+    local_label = labels  # local rows already (KernelParams.local_labels)
     extra = None
     if extra_ids is not None and extra_g is not None:
         if extra_logits is None:
@@ -215,7 +215,7 @@ register_autograd(logsoftmax_stats, _stats_backward, _stats_setup)
 def stats(hidden: Tensor, weight: Tensor, p: KernelParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(logprob, entropy, logz, label_is_argmax)`` through the op, differentiable in ``hidden``
     and ``weight`` (the weight's gradient into ``p.weight_grad_accumulator`` where one is given)."""
-    out = call(logsoftmax_stats, hidden, weight, p.labels, p.valid, p.coef, p.vocab_start,
+    out = call(logsoftmax_stats, hidden, weight, p.local_labels, p.valid, p.coef, p.vocab_start,
                group_name(p.group), p.sequence_parallel, p.chunk_size, p.backend,
                p.weight_grad_accumulator, p.dummy_weight_grad, None, torch.compiler.is_compiling())
     return out[0], out[1], out[2], out[3]
@@ -471,7 +471,7 @@ def _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequenc
     p = _params(labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
                 accumulator, upstream_grad)
     x = ag.gather_tokens(hidden, p.group) if sequence_parallel else hidden
-    local_label = ag.local_labels(labels, valid, vocab_start, weight.shape[0])
+    local_label = labels  # local rows already (KernelParams.local_labels)
     defer = _defers_weight_grad(backend, x.shape[0], weight, chunk_size, sequence_parallel, need_w,
                                 accumulator is not None)
     r = _backend(backend, hidden.device).fused_loss(
@@ -511,7 +511,8 @@ def fused_token_loss(
     :func:`_defers_weight_grad`, the logit gradient ``[N, V_local]`` in the input dtype
     instead, which the backward forms dW from). The loss is the weighted NLL (``policy``
     None) or a :class:`PolicyLoss` (its fields, :func:`policy_loss_data`) with its
-    ``input_names`` tensors in ``inputs``."""
+    ``input_names`` tensors in ``inputs``; ``labels``: this rank's local rows
+    (``KernelParams.local_labels``)."""
     return _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel,
                        chunk_size, backend, None, None, token_weight, policy, inputs, need_x, need_w)
 
@@ -636,7 +637,7 @@ def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Te
     """``(loss, logprob, entropy)`` of the weighted NLL (``policy`` None) or a
     :class:`PolicyLoss`, gradients formed in the forward, through the ops."""
     data = None if policy is None else policy_loss_data(policy)
-    args = (p.labels, p.valid, p.coef, p.vocab_start, group_name(p.group), p.sequence_parallel,
+    args = (p.local_labels, p.valid, p.coef, p.vocab_start, group_name(p.group), p.sequence_parallel,
             p.chunk_size, p.backend)
     if p.upstream_grad is not None and p.weight_grad_accumulator is not None:
         return _FusedIntoAccumulator.apply(
@@ -698,7 +699,7 @@ class LinearFusedLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, p: KernelParams, token_loss: ag.TokenLoss, need_x: bool,
                 need_w: bool):
         x = ag.gather_tokens(hidden, p.group) if p.sequence_parallel else hidden
-        local_label = ag.local_labels(p.labels, p.valid, p.vocab_start, weight.shape[0])
+        local_label = p.local_labels
         r = _backend(p.backend, hidden.device).fused_loss(x, weight, p, local_label, token_loss,
                                                           need_x, need_w)
         if need_w and p.upstream_grad is not None and p.weight_grad_accumulator is not None:

@@ -54,6 +54,9 @@ class KernelParams:
         upstream_grad: with an accumulator, the gradient a loss's backward will receive, declared
             in advance: the losses with gradients in the forward then add ``upstream_grad * dW``
             into the accumulator there, and their backward checks the gradient it gets.
+        local_labels: ``[N]`` long, the labels as rows of this rank's vocabulary shard; -1
+            where the rank does not own the label or the position does not count (what the
+            passes take; None only where params are made without them).
     """
 
     labels: Any
@@ -67,6 +70,7 @@ class KernelParams:
     weight_grad_accumulator: Optional[Any] = None
     dummy_weight_grad: bool = False
     upstream_grad: Optional[float] = None
+    local_labels: Any = None
 
     @property
     def batch_invariant(self) -> bool:

@@ -167,6 +167,8 @@ _BWD_CHUNK_BYTES = 1 << 30
 _SAVED_DZ_BYTES = 512 << 20
 # The weight gradient kernel's tile: [vocabulary rows, hidden columns, tokens a step].
 _DW_TILE = (128, 128, 64)
+# Tokens per program of the entry points' prologue.
+_PROLOGUE_BLOCK = 1024
 # Elements per program of the scaling of float32 gradients by the upstream gradient.
 _SCALE_BLOCK = 4096
 # Tokens per program of the per-token loss terms.
@@ -214,6 +216,7 @@ if triton is not None:  # the kernels live apart: launches here, arithmetic ther
     from .triton_kernels import (
         _dlogits_kernel, _gathered_dots_kernel, _given_dlogits_kernel, _hidden_grad_kernel,
         _logits_kernel, _merge_final_kernel, _merge_partials_kernel, _merge_segments_kernel,
+        _prologue_kernel,
         _row_grad_kernel, _row_stats_kernel, _scale_cast_kernel, _stats_fwd_kernel,
         _target_logit_kernel, _weight_grad_kernel, _write_columns_kernel,
     )
@@ -513,6 +516,25 @@ class TritonFused(Backend):
         return None
 
     saved_dz_bytes = _SAVED_DZ_BYTES
+
+    @staticmethod
+    def prologue(labels: torch.Tensor, temperature: Optional[torch.Tensor], coef: float,
+                 logit_scale: float, ignore_index: int, v_total: int, vocab_start: int,
+                 v_local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(valid, coef, local labels)`` of integer ``labels`` [N] on this GPU, one launch
+        (see the kernel): ``coef`` the scalar ``logit_scale / temperature`` unless a float32
+        per-token ``temperature`` is given."""
+        n = labels.shape[0]
+        valid = torch.empty(n, dtype=torch.bool, device=labels.device)
+        out = torch.empty(n, dtype=torch.float32, device=labels.device)
+        local = torch.empty(n, dtype=torch.long, device=labels.device)
+        if n:
+            per_token = temperature is not None
+            _prologue_kernel[(triton.cdiv(n, _PROLOGUE_BLOCK),)](
+                labels, temperature if per_token else out, valid, out, local, n, ignore_index,
+                v_total, vocab_start, v_local, logit_scale, coef, BLOCK=_PROLOGUE_BLOCK,
+                PER_TOKEN=per_token, num_warps=4)
+        return valid, out, local
 
     @staticmethod
     def weight_grad(dz: torch.Tensor, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

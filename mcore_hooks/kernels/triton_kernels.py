@@ -489,3 +489,29 @@ if triton is not None:
         g = tl.load(G)
         tl.store(DW + vs[:, None].to(tl.int64) * stride_dw + hs[None, :],
                  (acc * g).to(DW.dtype.element_ty), mask=vmask[:, None] & hmask[None, :])
+
+    @triton.jit
+    def _prologue_kernel(LABELS, TEMP, VALID, COEF, LOCAL, N, ignore_index, v_total, vocab_start,
+                         v_local, scale, coef_scalar, BLOCK: tl.constexpr, PER_TOKEN: tl.constexpr):
+        """The entry points' per-token inputs in the kernels' form, in one launch (the torch
+        form in ``arguments._prepare`` takes a dozen): whether a label counts, the logits'
+        coefficient ``scale / temperature`` (NaN for a label outside the vocabulary or a
+        temperature not positive and finite: bad input never gives a plausible number), and
+        the label as a row of this rank's shard (-1 where not owned or not counted)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        y = tl.load(LABELS + offs, mask=mask, other=0).to(tl.int64)
+        valid = y != ignore_index
+        bad = valid & ((y < 0) | (y >= v_total))
+        if PER_TOKEN:
+            t = tl.load(TEMP + offs, mask=mask, other=1.0)
+            # torch's scale / t for a Python scale: reciprocal(t) * scale (two roundings)
+            one = tl.full([BLOCK], 1.0, dtype=tl.float32)
+            c = tl.where((t > 0) & (t < float("inf")), tl.math.div_rn(one, t) * scale, float("nan"))
+        else:
+            c = coef_scalar + tl.zeros([BLOCK], dtype=tl.float32)
+        local = y - vocab_start
+        owned = valid & (local >= 0) & (local < v_local)
+        tl.store(VALID + offs, valid, mask=mask)
+        tl.store(COEF + offs, tl.where(bad, float("nan"), c), mask=mask)
+        tl.store(LOCAL + offs, tl.where(owned, local, -1), mask=mask)
