@@ -125,6 +125,25 @@ def measure(step: Callable[[], None], grads: list) -> dict:
 GRPO_SEQ = 256  # tokens per sequence: one advantage each (GRPO)
 
 
+class _IntoMainGrad(torch.autograd.Function):
+    """``x @ w.T`` whose backward adds the weight's gradient into a float32 ``main_grad`` (one
+    GEMM with float32 accumulation, as Megatron's wgrad with gradient_accumulation_fusion)."""
+
+    @staticmethod
+    def forward(ctx, x, w, main_grad):
+        ctx.save_for_backward(x, w)
+        ctx.main_grad = main_grad
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        from mcore_hooks.kernels.matmul import addmm_f32_
+
+        x, w = ctx.saved_tensors
+        addmm_f32_(ctx.main_grad, g.t(), x)
+        return g @ w, None, None
+
+
 def _policy():
     from mcore_hooks.kernels import PolicyLoss
 
@@ -162,6 +181,12 @@ def entry_paths(x, w, y, main_grad, liger) -> dict[str, Callable[[], None]]:
         lp = stock_logp().gather(1, y[:, None]).squeeze(1)
         (cfg(lp, None, **inputs) * tw).sum().backward()
 
+    def stock_policy_main_grad():
+        # Megatron's output layer with gradient_accumulation_fusion: its weight-gradient GEMM
+        # accumulates into the float32 main_grad (no bf16 dW)
+        lp = torch.log_softmax(_IntoMainGrad.apply(x, w, main_grad).float(), dim=-1)
+        (cfg(lp.gather(1, y[:, None]).squeeze(1), None, **inputs) * tw).sum().backward()
+
     def lp():
         r = linear_logprob_entropy(x, w, y)
         (r.logprob.sum() + r.entropy.sum()).backward()
@@ -181,7 +206,8 @@ def entry_paths(x, w, y, main_grad, liger) -> dict[str, Callable[[], None]]:
                            weight_grad_accumulator=main_grad, upstream_grad=1.0).loss.backward()
 
     paths = {"stock_lp": stock_lp, "lp": lp, "stock_ce": stock_ce, "ce": ce,
-             "stock_policy": stock_policy, "policy": policy, "policy_main_grad": policy_main_grad,
+             "stock_policy": stock_policy, "policy": policy,
+             "stock_policy_main_grad": stock_policy_main_grad, "policy_main_grad": policy_main_grad,
              "policy_main_grad_declared": policy_main_grad_declared}
     if liger is not None:
         paths["liger_ce"] = lambda: liger(w, x, y).backward()
@@ -345,7 +371,8 @@ def table(rows: list[dict], section: str) -> str:
     """Markdown: a row per shape and path, its numbers, and the ratio of wall to the same
     objective's stock path where there is one."""
     stock_of = {"lp": "stock_lp", "ce": "stock_ce", "liger_ce": "stock_ce", "policy": "stock_policy",
-                "policy_main_grad": "stock_policy", "policy_main_grad_declared": "stock_policy"}
+                "policy_main_grad": "stock_policy_main_grad",
+                "policy_main_grad_declared": "stock_policy_main_grad"}
     by = {(r["tokens"], r["hidden"], r["vocab"], r["path"]): r for r in rows if r["section"] == section}
     out = ["| tokens | hidden | vocab | path | wall ms | x stock | gpu ms | host ms | launches | MiB |",
            "|---|---|---|---|---|---|---|---|---|---|"]

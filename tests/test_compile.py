@@ -200,8 +200,12 @@ def _op_samples():
         "logsoftmax_stats-accumulator": (ops.logsoftmax_stats, common + (acc, True)),
         "logsoftmax_stats_backward": (ops.logsoftmax_stats_backward, backward + (None,)),
         "logsoftmax_stats_backward-accumulator": (ops.logsoftmax_stats_backward, backward + (acc.clone(),)),
-        "fused_token_loss-nll": (ops.fused_token_loss, common + (torch.rand(n), None, [], True, True)),
-        "fused_token_loss-policy": (ops.fused_token_loss, common + (torch.rand(n), pl, inputs, True, True)),
+        "fused_token_loss-nll": (ops.fused_token_loss, common + (torch.rand(n), None, [], True, True,
+                                                               None, False, False)),
+        "fused_token_loss-policy": (ops.fused_token_loss, common + (torch.rand(n), pl, inputs, True, True,
+                                                                  None, False, False)),
+        "fused_token_loss-accumulator": (ops.fused_token_loss, common + (torch.rand(n), pl, inputs, True,
+                                                                       True, acc.clone(), True, False)),
         # an op without autograd (its autograd.Function wraps it): called on detached inputs
         "fused_token_loss_into_": (ops.fused_token_loss_into_, (x.detach(), w.detach()) + common[2:]
                                    + (acc.clone(), 0.5, torch.rand(n), pl, inputs, True, True)),

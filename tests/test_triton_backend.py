@@ -760,3 +760,36 @@ def test_the_prologue_kernel_matches_the_torch_form(per_token):
     assert torch.equal(local.cpu(), local_labels(labels, want_valid, start, v_local))
     assert torch.equal(coef.cpu().isnan(), want_coef.isnan())
     assert torch.equal(coef.cpu().nan_to_num(), want_coef.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_fused_loss_adds_its_weight_gradient_into_an_accumulator(dtype, route):
+    """The policy loss with an accumulator (Megatron's main_grad) and no declared upstream
+    gradient: the backward adds ``grad * dW`` into it, by each route (dW kept in float32 or
+    formed from the kept logit gradient in the backward, or the logits recomputed there), equal
+    to the dW the loss returns otherwise (to that one's rounding), and dX the same bits."""
+    from mcore_hooks.kernels import PolicyLoss, linear_policy_loss
+
+    n, h, v = (1024, 256, 5003) if ON_GPU else (300, 32, 200)
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
+    labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    inputs = {"old_logprobs": (-torch.rand(n, generator=g) * 6).to(DEVICE),
+              "advantages": torch.randn(n, generator=g).to(DEVICE)}
+    tw = torch.ones(n, device=DEVICE)
+    cfg = PolicyLoss(clip_high=0.28, entropy_coef=0.01)
+
+    def run(**kw):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = linear_policy_loss(xr, wr, labels, token_weight=tw, loss=cfg, inputs=inputs,
+                                  temperature=0.9, backend="triton", **kw).loss
+        (loss * 0.25).backward()
+        return xr.grad, wr.grad
+
+    dx, dw = run()
+    acc = torch.ones(v, h, device=DEVICE)
+    dx2, none = run(weight_grad_accumulator=acc)
+    assert none is None
+    assert torch.equal(dx2, dx)
+    assert rel(acc - 1, dw) < GRAD_TOL[dtype] / 8

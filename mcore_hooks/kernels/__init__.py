@@ -476,10 +476,11 @@ def _fused(hidden, weight, p: KernelParams, token_weight: torch.Tensor,
     """(loss, logprob, entropy) of the weighted NLL (``loss`` None), a :class:`PolicyLoss` with
     its ``inputs``, or a bound :class:`TokenLoss`. Gradients formed in the forward where any is
     needed and the backend forms them there at this hidden size
-    (:func:`~.ops.forms_gradients_in_forward`), or an upstream gradient is declared; otherwise
-    (and with a weight-gradient accumulator and no declared upstream gradient, which scales what
-    is added into it and is otherwise known only in the backward) the log-prob pass and the
-    terms, the logits recomputed in the backward; without gradients, the log-prob pass alone.
+    (:func:`~.ops.forms_gradients_in_forward`; with a weight-gradient accumulator and no
+    declared upstream gradient, which scales what is added into it, the backward adds the
+    float32 dW into it), or an upstream gradient is declared; otherwise the log-prob pass and
+    the terms, the logits recomputed in the backward; without gradients, the log-prob pass
+    alone.
     The NLL and :class:`PolicyLoss` run as custom ops; a Python function's loss through
     :class:`~.ops.LinearFusedLoss`, or autograd over its terms."""
     if p.n == 0:  # an empty micro-batch or shard: a zero loss, zero gradients
@@ -487,12 +488,12 @@ def _fused(hidden, weight, p: KernelParams, token_weight: torch.Tensor,
         return anchor, anchor.detach().expand(0), anchor.detach().expand(0)
     need_x = hidden.requires_grad and torch.is_grad_enabled()
     need_w = weight.requires_grad and torch.is_grad_enabled()
+    as_data = loss is None or type(loss) is PolicyLoss
     if p.upstream_grad is not None and p.weight_grad_accumulator is not None:
         in_forward = True  # declared: the caller asked for the weight's gradient in the forward
-    else:
-        in_forward = (p.weight_grad_accumulator is None
+    else:  # an accumulator takes the op's float32 dW in its backward (not a Python loss's)
+        in_forward = ((p.weight_grad_accumulator is None or as_data)
                       and ops.forms_gradients_in_forward(p.backend, hidden.shape[1]))
-    as_data = loss is None or type(loss) is PolicyLoss
     names = () if loss is None or not as_data else loss.input_names
     if (need_x or need_w) and in_forward and as_data:
         return ops.fused_loss(hidden, weight, p, token_weight, loss, [inputs[k] for k in names],

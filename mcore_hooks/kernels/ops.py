@@ -503,7 +503,7 @@ def fused_token_loss(
     hidden: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
     group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str,
     token_weight: Tensor, policy: Optional[list[float]], inputs: list[Tensor], need_x: bool,
-    need_w: bool,
+    need_w: bool, accumulator: Optional[Tensor], placeholder: bool, compiled: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(loss, logprob, entropy, dX, dW)``: the summed loss (float32 scalar), detached per-token
     log-probs and entropies (zeros where the loss does not use them), and the float32 gradients
@@ -512,14 +512,18 @@ def fused_token_loss(
     instead, which the backward forms dW from). The loss is the weighted NLL (``policy``
     None) or a :class:`PolicyLoss` (its fields, :func:`policy_loss_data`) with its
     ``input_names`` tensors in ``inputs``; ``labels``: this rank's local rows
-    (``KernelParams.local_labels``)."""
+    (``KernelParams.local_labels``). ``accumulator`` (Megatron's ``main_grad``, with
+    ``placeholder`` and ``compiled`` as :func:`logsoftmax_stats`'s) is for the backward alone,
+    which adds the upstream gradient times dW into it."""
+    if accumulator is not None and compiled:
+        ag.check_accumulator_kept()
     return _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel,
                        chunk_size, backend, None, None, token_weight, policy, inputs, need_x, need_w)
 
 
 @fused_token_loss.register_fake
 def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
-      token_weight, policy, inputs, need_x, need_w):
+      token_weight, policy, inputs, need_x, need_w, accumulator, placeholder, compiled):
     return _fused_fake(hidden, weight, labels, need_x, need_w, False, chunk_size, backend,
                        sequence_parallel)
 
@@ -533,6 +537,9 @@ def _fused_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     deferred = dw32.numel() and dw32.dtype != _F32  # the logit gradient: dW formed from it
     ctx.save_for_backward(dx32, dw32, hidden if deferred else None)
+    # not saved: written between this forward and its backward by design (see _stats_setup)
+    ctx.accumulator, ctx.placeholder = inputs[15], inputs[16]
+    ctx.weight_shape = inputs[1].shape
     ctx.group, ctx.sp, ctx.ordered, ctx.num_inputs = group, sp, invariant(backend), len(inputs[12])
     ctx.hidden_shape, ctx.dtype = hidden.shape, hidden.dtype
 
@@ -566,16 +573,45 @@ def _weight_grad(dz: Tensor, x: Tensor, grad: Tensor) -> Tensor:
     return triton_fused.TritonFused.weight_grad(dz, x, grad)
 
 
+@custom_op("mcore_hooks::accumulate_weight_grad_", mutates_args=("accumulator",))
+def accumulate_weight_grad_(accumulator: Tensor, dw: Tensor, x: Optional[Tensor], grad: Tensor) -> None:
+    """``accumulator += grad * dW`` in float32: ``dw`` the float32 dW formed in the forward, or
+    (``x`` given) the logit gradient ``[N, V_local]`` dW is formed from (``dw.T @ x``)."""
+    eager = not torch.compiler.is_compiling() and accumulator.is_cuda
+    if eager:
+        from . import triton_fused
+
+        eager = triton_fused.device_tiles(accumulator.device) is not None
+    if x is not None:
+        if eager:
+            triton_fused.TritonFused.weight_grad(dw, x, grad, accumulator)
+        else:
+            accumulator.addcmul_(mm_f32(dw.t(), x), grad.float())
+    elif eager and accumulator.is_contiguous() and dw.is_contiguous():
+        triton_fused.TritonFused.scale_accumulate(dw, grad, accumulator)
+    else:
+        accumulator.addcmul_(dw, grad.float())
+
+
+@accumulate_weight_grad_.register_fake
+def _(accumulator, dw, x, grad):
+    return None
+
+
 def _fused_backward(ctx, grad, *_):
     dx32, dw32, x = ctx.saved_tensors
     if grad is None:
         grad = torch.zeros((), dtype=_F32, device=dx32.device)
     dw = None
-    if ctx.needs_input_grad[1] and dw32.numel():
+    if ctx.needs_input_grad[1] and dw32.numel() and ctx.accumulator is not None:
+        call(accumulate_weight_grad_, ctx.accumulator, dw32, x, grad)
+        if ctx.placeholder:
+            dw = ag.placeholder_grad_like(ctx.weight_shape, ctx.dtype, dw32.device)
+    elif ctx.needs_input_grad[1] and dw32.numel():
         dw = _scaled(dw32, grad, ctx.dtype) if x is None else _weight_grad(dw32, x, grad)
     dx, dw = ag.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw)
     # one entry per input, a list for the list of tensors
-    return (dx, dw) + (None,) * 10 + ([None] * ctx.num_inputs, None, None)
+    return (dx, dw) + (None,) * 10 + ([None] * ctx.num_inputs, None, None, None, None, None)
 
 
 register_autograd(fused_token_loss, _fused_backward, _fused_setup)
@@ -643,7 +679,8 @@ def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Te
         return _FusedIntoAccumulator.apply(
             hidden, weight, args + (p.weight_grad_accumulator, p.upstream_grad, token_weight, data,
                                     inputs, need_x, need_w), p.dummy_weight_grad)
-    out = call(fused_token_loss, hidden, weight, *args, token_weight, data, inputs, need_x, need_w)
+    out = call(fused_token_loss, hidden, weight, *args, token_weight, data, inputs, need_x, need_w,
+               p.weight_grad_accumulator, p.dummy_weight_grad, torch.compiler.is_compiling())
     return out[0], out[1], out[2]
 
 

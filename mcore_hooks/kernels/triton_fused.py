@@ -217,7 +217,8 @@ if triton is not None:  # the kernels live apart: launches here, arithmetic ther
         _dlogits_kernel, _gathered_dots_kernel, _given_dlogits_kernel, _hidden_grad_kernel,
         _logits_kernel, _merge_final_kernel, _merge_partials_kernel, _merge_segments_kernel,
         _prologue_kernel,
-        _row_grad_kernel, _row_stats_kernel, _scale_cast_kernel, _stats_fwd_kernel,
+        _row_grad_kernel, _row_stats_kernel, _scale_accumulate_kernel, _scale_cast_kernel,
+        _stats_fwd_kernel,
         _target_logit_kernel, _weight_grad_kernel, _write_columns_kernel,
     )
 
@@ -537,19 +538,29 @@ class TritonFused(Backend):
         return valid, out, local
 
     @staticmethod
-    def weight_grad(dz: torch.Tensor, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def weight_grad(dz: torch.Tensor, x: torch.Tensor, grad: torch.Tensor,
+                    accumulator: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``grad * dz.T @ x`` in x's dtype, rounded once (a fused loss's weight gradient from its
-        saved logit gradient ``dz [N, V]``, in the backward)."""
+        saved logit gradient ``dz [N, V]``, in the backward); added into a float32
+        ``accumulator`` (and that returned) where one is given."""
         n, v = dz.shape
         h = x.shape[1]
-        out = torch.empty((v, h), dtype=x.dtype, device=x.device)
+        out = accumulator if accumulator is not None else torch.empty((v, h), dtype=x.dtype, device=x.device)
         dz, x = dz.contiguous(), x.contiguous()
         grid = (triton.cdiv(v, _DW_TILE[0]) * triton.cdiv(h, _DW_TILE[1]),)
         _weight_grad_kernel[grid](dz, x, grad.float().reshape(1), out, n, v, h, dz.stride(0),
                                   x.stride(0), out.stride(0), BLOCK_V=_DW_TILE[0],
-                                  BLOCK_H=_DW_TILE[1], BLOCK_K=_DW_TILE[2], num_warps=8,
-                                  num_stages=3)
+                                  BLOCK_H=_DW_TILE[1], BLOCK_K=_DW_TILE[2],
+                                  ACCUMULATE=accumulator is not None, num_warps=8, num_stages=3)
         return out
+
+    @staticmethod
+    def scale_accumulate(t32: torch.Tensor, grad: torch.Tensor, accumulator: torch.Tensor) -> None:
+        """``accumulator += t32 * grad`` (float32 both, contiguous), in one pass."""
+        n = t32.numel()
+        if n:
+            _scale_accumulate_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](
+                t32, grad.float().reshape(1), accumulator, n, BLOCK=_SCALE_BLOCK, num_warps=8)
 
     @staticmethod
     def scale_cast(t32: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -467,11 +467,13 @@ if triton is not None:
 
     @triton.jit
     def _weight_grad_kernel(DZ, X, G, DW, N, V, H, stride_dz, stride_x, stride_dw,
-                            BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                            ACCUMULATE: tl.constexpr):
         """``DW = G[0] * dz.T @ X`` ([V, N] @ [N, H], float32 sums of exact products, times
-        the upstream gradient, rounded once to DW's dtype): a fused loss's weight gradient
-        from its saved logit gradient, in the backward (few tokens: the sum is short, the
-        output long). H tile fastest: the programs running together share a dz tile."""
+        the upstream gradient, rounded once to DW's dtype; ACCUMULATE: added into float32 DW,
+        Megatron's main_grad): a fused loss's weight gradient from its saved logit gradient, in
+        the backward (few tokens: the sum is short, the output long). H tile fastest: the
+        programs running together share a dz tile."""
         pid = tl.program_id(0)
         num_h = tl.cdiv(H, BLOCK_H)
         vs = (pid // num_h) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -487,8 +489,12 @@ if triton is not None:
                         mask=kmask[:, None] & hmask[None, :], other=0.0)
             acc = tl.dot(tl.trans(a), b, acc)
         g = tl.load(G)
-        tl.store(DW + vs[:, None].to(tl.int64) * stride_dw + hs[None, :],
-                 (acc * g).to(DW.dtype.element_ty), mask=vmask[:, None] & hmask[None, :])
+        at = DW + vs[:, None].to(tl.int64) * stride_dw + hs[None, :]
+        omask = vmask[:, None] & hmask[None, :]
+        if ACCUMULATE:
+            tl.store(at, tl.load(at, mask=omask, other=0.0) + acc * g, mask=omask)
+        else:
+            tl.store(at, (acc * g).to(DW.dtype.element_ty), mask=omask)
 
     @triton.jit
     def _prologue_kernel(LABELS, TEMP, VALID, COEF, LOCAL, N, ignore_index, v_total, vocab_start,
@@ -515,3 +521,13 @@ if triton is not None:
         tl.store(VALID + offs, valid, mask=mask)
         tl.store(COEF + offs, tl.where(bad, float("nan"), c), mask=mask)
         tl.store(LOCAL + offs, tl.where(owned, local, -1), mask=mask)
+
+    @triton.jit
+    def _scale_accumulate_kernel(X, G, ACC, n, BLOCK: tl.constexpr):
+        """``ACC += X * G[0]`` in float32: a fused loss's float32 weight gradient, formed in the
+        forward, added into Megatron's main_grad once the backward knows the upstream gradient."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(G)
+        acc = tl.load(ACC + offs, mask=mask, other=0.0)
+        tl.store(ACC + offs, acc + tl.load(X + offs, mask=mask, other=0.0) * g, mask=mask)
