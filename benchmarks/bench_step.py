@@ -26,7 +26,8 @@ Paths (the loss a sum over the tokens, the same objective for each pair):
   need Apex's fused kernel for it).
 
 Reported per layout and path: the step's median ms over 4 steps after 2 (the slowest rank's),
-the peak memory beyond the model, optimizer and data (MiB, the largest rank's); and for each
+the peak memory of the forward-backward beyond what was allocated before it (MiB, the largest
+rank's; the optimizer's step, the same for every path, left out); and for each
 processor against its stock pair after one forward-backward from the same weights: the largest
 difference of a log-prob (where the pair has them) and of every parameter's ``main_grad``
 (relative to the parameter's gradient norm).
@@ -246,21 +247,27 @@ class Path:
         return loss, {"loss": loss.detach()}
 
 
-def _step(model: list, optimizer, path: Path, batches: list[dict], config, step: bool = True) -> None:
+def _step(model: list, optimizer, path: Path, batches: list[dict], config, step: bool = True) -> float:
+    """One step; returns the peak MiB allocated during its forward-backward beyond what was
+    allocated before it (the optimizer's step, the same for every path, left out)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for m in model:
         m.zero_grad_buffer()
     optimizer.zero_grad()
     path.logprobs = []
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     data = [iter(batches) for _ in model] if len(model) > 1 else iter(batches)
     cp = config.context_parallel_size
     get_forward_backward_func()(
         forward_step_func=path.forward_step, data_iterator=data, model=model if len(model) > 1 else model[0],
         num_microbatches=len(batches), seq_length=SEQ // cp, micro_batch_size=MICRO_BATCH,
         forward_only=False)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     if step:
         optimizer.step()
+    return peak
 
 
 # --------------------------------------------------------------------------- one layout
@@ -318,17 +325,14 @@ def _layout(name: str, shape: str, layers: int, paths: list[str]) -> dict:
             for _ in range(2):
                 _step(model, optimizer, path, batches, config)
             torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            times = []
+            times, peak = [], 0.0
             for _ in range(4):
                 dist.barrier()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                _step(model, optimizer, path, batches, config)
+                peak = max(peak, _step(model, optimizer, path, batches, config))
                 torch.cuda.synchronize()
                 times.append((time.perf_counter() - t0) * 1e3)
-            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
             rows.setdefault(p_name, {}).update(ms=statistics.median(times), peak_mib=peak)
         # the slowest rank's time, the largest rank's memory and difference
         for p_name, r in rows.items():
