@@ -1,7 +1,8 @@
 """A training step through Megatron's own schedule and DDP on several GPUs: the stock path against
 the bundled processors, per parallel layout, with every value and gradient compared.
 
-    python benchmarks/bench_step.py [--gpus 4] [--configs tp4 ...] [--shape 0.5b] [--json out.json]
+    python benchmarks/bench_step.py [--gpus 4|2] [--configs tp4 ...] [--shape 0.5b|7b]
+                                    [--layers N] [--json out.json]
 
 One step: ``zero_grad_buffer``, ``get_forward_backward_func()`` over 4 micro-batches of 2 x 512
 tokens (Megatron's DDP finalising the gradients, the distributed optimizer where the layout
@@ -61,6 +62,7 @@ SHAPES = {
 # name: parallel layout (tp, pp, vpp, cp, ep, sequence parallel, MoE, DDP overlap + distributed optimizer)
 CONFIGS = {
     "one_gpu": dict(),  # a check of the harness on one GPU
+    # 4 GPUs
     "tp4": dict(tp=4),
     "tp2_sp_pp2": dict(tp=2, pp=2, sp=True),
     "tp2_cp2_sp": dict(tp=2, cp=2, sp=True),
@@ -68,6 +70,19 @@ CONFIGS = {
     "dp2_tp2_overlap_distopt": dict(tp=2, overlap=True),
     "moe_ep4": dict(ep=4, moe=True),
     "moe_tp2_sp_ep2": dict(tp=2, ep=2, sp=True, moe=True),
+    # 2 GPUs
+    "tp2": dict(tp=2),
+    "tp2_sp": dict(tp=2, sp=True),
+    "pp2": dict(pp=2),
+    "pp2_vpp2": dict(pp=2, vpp=2),
+    "cp2": dict(cp=2),
+    "dp2_overlap_distopt": dict(overlap=True),
+    "moe_ep2": dict(ep=2, moe=True),
+}
+DEFAULT_CONFIGS = {
+    4: ["tp4", "tp2_sp_pp2", "tp2_cp2_sp", "pp4_vpp2", "dp2_tp2_overlap_distopt", "moe_ep4",
+        "moe_tp2_sp_ep2"],
+    2: ["tp2", "tp2_sp", "pp2", "pp2_vpp2", "cp2", "dp2_overlap_distopt", "moe_ep2"],
 }
 PATHS = ("stock", "logprob", "stock_policy", "policy", "policy_main_grad")
 PAIRS = {"logprob": "stock", "policy": "stock_policy", "policy_main_grad": "stock_policy"}
@@ -375,14 +390,16 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=4)
-    ap.add_argument("--configs", nargs="+", default=[c for c in CONFIGS if c != "one_gpu"],
-                    choices=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", default=None, choices=list(CONFIGS),
+                    help="layouts (default: the 7 of 4 GPUs, or of 2 with --gpus 2)")
     ap.add_argument("--shape", default="0.5b", choices=list(SHAPES))
     ap.add_argument("--layers", type=int, default=0, help="layers (default: the shape's)")
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for a layout")
     args = ap.parse_args()
+    if args.configs is None:
+        args.configs = DEFAULT_CONFIGS.get(args.gpus, ["one_gpu"])
     import torch.multiprocessing as mp
 
     print(f"{datetime.date.today()} {args.gpus} x {torch.cuda.get_device_name()} torch "
