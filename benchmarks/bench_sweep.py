@@ -370,9 +370,7 @@ def run_hook(hidden, tokens, vocab) -> list[dict]:
 def table(rows: list[dict], section: str) -> str:
     """Markdown: a row per shape and path, its numbers, and the ratio of wall to the same
     objective's stock path where there is one."""
-    stock_of = {"lp": "stock_lp", "ce": "stock_ce", "liger_ce": "stock_ce", "policy": "stock_policy",
-                "policy_main_grad": "stock_policy_main_grad",
-                "policy_main_grad_declared": "stock_policy_main_grad"}
+    stock_of = STOCK_OF
     by = {(r["tokens"], r["hidden"], r["vocab"], r["path"]): r for r in rows if r["section"] == section}
     out = ["| tokens | hidden | vocab | path | wall ms | x stock | gpu ms | host ms | launches | MiB |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -431,6 +429,43 @@ def host_profile(path: str, n: int, h: int, v: int, calls: int = 30) -> None:
     print(kp.key_averages().table(sort_by="cuda_time_total", row_limit=20))
 
 
+STOCK_OF = {"lp": "stock_lp", "ce": "stock_ce", "liger_ce": "stock_ce", "policy": "stock_policy",
+            "policy_main_grad": "stock_policy_main_grad",
+            "policy_main_grad_declared": "stock_policy_main_grad"}
+# the issue's bar: the log-prob pass within 1.1x of stock, the fused losses no slower
+BAR = {"lp": 1.1, "ce": 1.0, "policy": 1.0, "policy_main_grad": 1.0, "policy_main_grad_declared": 1.0}
+
+
+def summary(rows: list[dict]) -> str:
+    """Markdown: per vocabulary, a row per (tokens, hidden): each entry point's wall time over
+    its stock path's (* past the bar), then the most launches and host ms of any entry point,
+    and stock's most host ms."""
+    by = {(r["tokens"], r["hidden"], r["vocab"], r["path"]): r for r in rows if r["section"] == "entry"}
+    paths = ["lp", "ce", "policy", "policy_main_grad", "policy_main_grad_declared", "liger_ce"]
+    out = []
+    for v in sorted({k[2] for k in by}, reverse=True):
+        out += [f"\nVocabulary {v}: wall / stock's wall (`*`: past the bar; OOM: out of memory)\n",
+                "| tokens | hidden | " + " | ".join(paths) + " | launches (most) | host ms (most) | stock host ms |",
+                "|---" * (len(paths) + 5) + "|"]
+        for n, h in sorted({(k[0], k[1]) for k in by if k[2] == v}):
+            cells, launches, host, shost = [], 0, 0.0, 0.0
+            for p in paths:
+                r, s_ = by.get((n, h, v, p)), by.get((n, h, v, STOCK_OF[p]))
+                if r is None or r.get("oom"):
+                    cells.append("" if r is None else "OOM")
+                    continue
+                if p != "liger_ce":
+                    launches, host = max(launches, r["launches"]), max(host, r["host"])
+                if s_ is None or s_.get("oom"):
+                    cells.append(f"{r['wall']:.0f} ms, stock OOM")
+                    continue
+                shost = max(shost, s_["host"])
+                ratio = r["wall"] / s_["wall"]
+                cells.append(f"{ratio:.2f}{'*' if ratio > BAR.get(p, 99) else ''}")
+            out.append(f"| {n} | {h} | " + " | ".join(cells) + f" | {launches} | {host:.2f} | {shost:.2f} |")
+    return "\n".join(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, nargs="+", default=HIDDEN)
@@ -442,9 +477,14 @@ def main() -> int:
     ap.add_argument("--route", default="auto", choices=["auto", "forward", "backward"],
                     help="where the fused losses form their gradients on Triton: as the hidden "
                          "size chooses, or always in the forward / the backward (to measure both)")
+    ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                    help="print the summary of these runs' rows (no GPU needed) and exit")
     ap.add_argument("--host-profile", nargs="+", default=None, metavar="PATH",
                     help="cProfile these paths at the first tokens / hidden / vocab instead")
     args = ap.parse_args()
+    if args.report:
+        print(summary([r for f in args.report for r in json.load(open(f))]))
+        return 0
     from mcore_hooks.testing import model_parallel, quiet_megatron
 
     print(f"{datetime.date.today()} {torch.cuda.get_device_name()} torch {torch.__version__} "
