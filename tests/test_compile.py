@@ -24,7 +24,9 @@ from mcore_hooks import (
 )
 from mcore_hooks.integrations import NemoRLLogprobProcessor, VerlFusedProcessor
 from mcore_hooks.integrations.verl import FusedOutputProcessorContext
-from mcore_hooks.kernels import PolicyLoss, linear_cross_entropy, linear_logprob_entropy, linear_policy_loss, ops
+from mcore_hooks.kernels import (
+    PolicyLoss, candidates_op, linear_cross_entropy, linear_logprob_entropy, linear_policy_loss, loss_op,
+    stats_op)
 from mcore_hooks.testing import hook_keywords
 
 
@@ -173,10 +175,10 @@ def _op_samples():
     valid = labels != -100
     coef = torch.full((n,), 1.25)
     common = (x, w, labels, valid, coef, 0, None, False, 4, "torch")
-    pl = ops.policy_loss_data(PolicyLoss(kl_coef=0.1, entropy_coef=0.05))
+    pl = loss_op.policy_loss_data(PolicyLoss(kl_coef=0.1, entropy_coef=0.05))
     inputs = [-torch.rand(n), torch.randn(n), -torch.rand(n)]
     acc = torch.zeros(v, h)
-    stats = ops.logsoftmax_stats(*[a.detach() if torch.is_tensor(a) else a for a in common], None, False)
+    stats = stats_op.logsoftmax_stats(*[a.detach() if torch.is_tensor(a) else a for a in common], None, False)
     m, log_s, entropy = stats[4], stats[5], stats[1]
     backward = (x.detach(), w.detach(), labels, valid, coef, 0, None, False, 4, "torch", m, log_s,
                 entropy, torch.randn(n), torch.randn(n), True, True)
@@ -184,30 +186,30 @@ def _op_samples():
     cand = (x, w, ids, coef, 0, None, False, 4)
     cand_backward = (x.detach(), w.detach(), ids, coef, 0, None, False, 4, torch.randn(n, 3), True, True)
     return {
-        "candidate_logits": (ops.candidate_logits, cand + (None, False, "torch")),
-        "candidate_logits-accumulator-invariant": (ops.candidate_logits,
+        "candidate_logits": (candidates_op.candidate_logits, cand + (None, False, "torch")),
+        "candidate_logits-accumulator-invariant": (candidates_op.candidate_logits,
                                                    cand + (acc, True, "torch+invariant")),
-        "candidate_logits_backward": (ops.candidate_logits_backward, cand_backward + (None, False)),
-        "candidate_logits_backward-accumulator": (ops.candidate_logits_backward,
+        "candidate_logits_backward": (candidates_op.candidate_logits_backward, cand_backward + (None, False)),
+        "candidate_logits_backward-accumulator": (candidates_op.candidate_logits_backward,
                                                   cand_backward + (acc.clone(), False)),
-        "top_k_ids": (ops.top_k_ids, (x.detach(), w.detach(), coef, 0, None, False, 4, 3, False)),
-        "top_k_ids-invariant": (ops.top_k_ids, (x.detach(), w.detach(), coef, 0, None, False, 4, 3, True)),
-        "logsoftmax_stats-invariant": (ops.logsoftmax_stats, common[:-1] + ("torch+invariant", None, False)),
-        "logsoftmax_stats": (ops.logsoftmax_stats, common + (None, False)),
-        "logsoftmax_stats-extra-ids": (ops.logsoftmax_stats, common + (None, False, ids)),
-        "logsoftmax_stats_backward-extra-ids": (ops.logsoftmax_stats_backward,
+        "top_k_ids": (candidates_op.top_k_ids, (x.detach(), w.detach(), coef, 0, None, False, 4, 3, False)),
+        "top_k_ids-invariant": (candidates_op.top_k_ids, (x.detach(), w.detach(), coef, 0, None, False, 4, 3, True)),
+        "logsoftmax_stats-invariant": (stats_op.logsoftmax_stats, common[:-1] + ("torch+invariant", None, False)),
+        "logsoftmax_stats": (stats_op.logsoftmax_stats, common + (None, False)),
+        "logsoftmax_stats-extra-ids": (stats_op.logsoftmax_stats, common + (None, False, ids)),
+        "logsoftmax_stats_backward-extra-ids": (stats_op.logsoftmax_stats_backward,
                                                 backward + (None, ids, torch.randn(n, 3), torch.randn(n, 3))),
-        "logsoftmax_stats-accumulator": (ops.logsoftmax_stats, common + (acc, True)),
-        "logsoftmax_stats_backward": (ops.logsoftmax_stats_backward, backward + (None,)),
-        "logsoftmax_stats_backward-accumulator": (ops.logsoftmax_stats_backward, backward + (acc.clone(),)),
-        "fused_token_loss-nll": (ops.fused_token_loss, common + (torch.rand(n), None, [], True, True,
+        "logsoftmax_stats-accumulator": (stats_op.logsoftmax_stats, common + (acc, True)),
+        "logsoftmax_stats_backward": (stats_op.logsoftmax_stats_backward, backward + (None,)),
+        "logsoftmax_stats_backward-accumulator": (stats_op.logsoftmax_stats_backward, backward + (acc.clone(),)),
+        "fused_token_loss-nll": (loss_op.fused_token_loss, common + (torch.rand(n), None, [], True, True,
                                                                None, False, False)),
-        "fused_token_loss-policy": (ops.fused_token_loss, common + (torch.rand(n), pl, inputs, True, True,
+        "fused_token_loss-policy": (loss_op.fused_token_loss, common + (torch.rand(n), pl, inputs, True, True,
                                                                   None, False, False)),
-        "fused_token_loss-accumulator": (ops.fused_token_loss, common + (torch.rand(n), pl, inputs, True,
+        "fused_token_loss-accumulator": (loss_op.fused_token_loss, common + (torch.rand(n), pl, inputs, True,
                                                                        True, acc.clone(), True, False)),
         # an op without autograd (its autograd.Function wraps it): called on detached inputs
-        "fused_token_loss_into_": (ops.fused_token_loss_into_, (x.detach(), w.detach()) + common[2:]
+        "fused_token_loss_into_": (loss_op.fused_token_loss_into_, (x.detach(), w.detach()) + common[2:]
                                    + (acc.clone(), 0.5, torch.rand(n), pl, inputs, True, True)),
     }
 

@@ -379,7 +379,7 @@ def test_per_token_policy_terms_and_derivatives_match_autograd():
     through ``PolicyLoss.__call__`` (the torch backend's): to float32 rounding, and exactly 0
     where autograd's are (clamps at and past their bounds, ties of the max and the dual clip
     splitting the gradient, ignored and weight-0 positions, NaN where an input is NaN)."""
-    from mcore_hooks.kernels import PolicyLoss, ops
+    from mcore_hooks.kernels import PolicyLoss, loss_op
     from mcore_hooks.kernels.debug import debug_checks
 
     g = torch.Generator().manual_seed(12)
@@ -395,13 +395,13 @@ def test_per_token_policy_terms_and_derivatives_match_autograd():
     old[5], adv[7] = float("nan"), float("nan")  # counted NaN inputs: NaN there
     for cfg in (PolicyLoss(), PolicyLoss(clip_high=0.28, dual_clip=3.0, kl_coef=0.1, entropy_coef=0.01),
                 PolicyLoss(kl_coef=0.05, kl_type="k1", log_ratio_limit=5.0), None):
-        data = None if cfg is None else ops.policy_loss_data(cfg)
+        data = None if cfg is None else loss_op.policy_loss_data(cfg)
         names = () if cfg is None else cfg.input_names
         ins = [{"old_logprobs": old, "advantages": adv, "ref_logprobs": ref}[k].to(DEVICE) for k in names]
         args = [t.to(DEVICE) for t in (lp, ent, valid, w)]
         with debug_checks(False):  # the NaN inputs are the point: compute, do not refuse
-            got = ops.token_terms(*args, data, ins, "triton")
-            want = ops.token_terms(*args, data, ins, "torch")
+            got = loss_op.token_terms(*args, data, ins, "triton")
+            want = loss_op.token_terms(*args, data, ins, "torch")
         # Each side is a few float32 roundings of each of the loss's parts (exp's last bit is
         # numpy's or torch's), which may cancel: the bound is 16 ulps of the parts' magnitudes,
         # not of the result (float64 here).

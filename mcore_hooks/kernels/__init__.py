@@ -20,7 +20,7 @@ from typing import Callable, Mapping, NamedTuple, Optional, Union
 import torch
 
 from .debug import check_values
-from . import ops
+from . import candidates_op, loss_op, ops, stats_op
 from . import candidates as cand
 from .dispatch import call
 from .arguments import (  # noqa: F401  (re-exported: the entry points' argument checks and backend choice)
@@ -29,7 +29,7 @@ from .arguments import (  # noqa: F401  (re-exported: the entry points' argument
 )
 from .autograd import GlobalStats, TokenLoss, group_rank_size, label_is_row_max
 from .candidates import Truncation
-from .losses import PerTokenLoss, PolicyLoss, PolicyLossResult, WeightedNLL, aggregation_weights, per_token_loss
+from .losses import PerTokenLoss, PolicyLoss, PolicyLossResult, aggregation_weights, per_token_loss
 from .options import KernelParams, VocabParallel
 
 __all__ = [
@@ -95,9 +95,9 @@ def linear_logprob_entropy(
         logit_scale: a factor on the logits before the temperature (Megatron's MuP output scaling).
         parallel: the vocab-parallel layout (:class:`VocabParallel`).
         chunk_size: tokens per chunk of the torch backend (default: about 2**26 logits per
-            chunk); the Triton backend never holds forward logits and sizes its backward
-            gradient chunks itself (up to ``H`` vocab columns inside the dX output, else about
-            128 MiB).
+            chunk); the Triton backend never holds forward logits and sizes its backward's
+            vocabulary chunks itself (their logit gradient at most 1 GiB, or one of 16
+            vocabulary segments where that is more).
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`backend_for`).
         weight_grad_accumulator: a float32 tensor shaped like ``weight`` (Megatron's
             ``main_grad``) that the weight's gradient is added into, in float32, instead of
@@ -125,8 +125,8 @@ def linear_logprob_entropy(
         batch_invariant: each token's results and its row of the hidden states' gradient
             bitwise independent of the other tokens in the call, of their number and of the
             chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
-            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (the
-            log-prob backward's dX rows: cuBLAS's, measured so, not promised); the torch
+            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (each
+            token's sums in one fixed shape, dX's too); the torch
             backend, and the BLAS products of either (wide id sets, the truncation's
             statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU
             (the torch backend's weight gradients added into one float32 buffer in order);
@@ -174,12 +174,12 @@ def linear_logprob_entropy(
         p = _nan_where(p, bad)
         if ops.invariant(p.backend):
             ids = cand.aligned_columns(ids)
-        r = cand.kept_stats(ops.logits_of(hidden, weight, ids, p), ids, p.labels, p.valid)
+        r = cand.kept_stats(candidates_op.logits_of(hidden, weight, ids, p), ids, p.labels, p.valid)
         return LogprobEntropy(r.logprob, r.entropy, r.logz, r.label_is_argmax, label_outside=outside)
     if selected_ids is not None:
         ids, bad = _id_matrix("selected_ids", selected_ids, p.n, v_total, hidden.device, p.valid)
         return _selected(hidden, weight, _nan_where(p, bad), ids, with_label=labels is not None)
-    logprob, entropy, logz, best = ops.stats(hidden, weight, p)
+    logprob, entropy, logz, best = stats_op.stats(hidden, weight, p)
     if labels is None:
         return LogprobEntropy(None, entropy, logz)
     return LogprobEntropy(logprob, entropy, logz, best)
@@ -214,7 +214,7 @@ def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
     v_total = weight.shape[0] * tp
     opts = t._per_token(p.n, hidden.device, v_total)
     width = t._width(v_total)
-    values, ids, m, log_s = call(ops.top_k_ids, hidden.detach(), weight.detach(), p.coef,
+    values, ids, m, log_s = call(candidates_op.top_k_ids, hidden.detach(), weight.detach(), p.coef,
                                  p.vocab_start, ops.group_name(p.group), p.sequence_parallel,
                                  p.chunk_size, width, ops.invariant(p.backend))
     if ops.invariant(p.backend):  # aligned rows for the sort's softmax and cumulative sum
@@ -241,7 +241,7 @@ def _selected(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams, ids: 
     output is then ``-logZ``, with the gradient ``-p``), one backward taking both gradients."""
     none = torch.full_like(p.labels, -1)
     cols = torch.cat([ids, torch.where(p.valid, p.labels, -1).unsqueeze(1)], dim=1) if with_label else ids
-    out = call(ops.logsoftmax_stats, hidden, weight, none, p.valid, p.coef, p.vocab_start,
+    out = call(stats_op.logsoftmax_stats, hidden, weight, none, p.valid, p.coef, p.vocab_start,
                ops.group_name(p.group), p.sequence_parallel, p.chunk_size, p.backend,
                p.weight_grad_accumulator, p.dummy_weight_grad, cols, torch.compiler.is_compiling())
     neg_logz, entropy, logz, m, log_s, logits = out[0], out[1], out[2], out[4], out[5], out[7]
@@ -278,7 +278,11 @@ def linear_cross_entropy(
     When a gradient is needed the logit gradients are formed in the forward, one token chunk at
     a time, so the forward does 3 matmuls and the backward only scales the result: the forward
     holds float32 dX ``[N, H]`` and dW ``[V_local, H]`` until the backward (each is rounded to the
-    input dtype once). Without a gradient it is the log-prob pass, reduced.
+    input dtype once; for few tokens on the Triton backend, the logit gradient instead, dW formed
+    from it in the backward). On the Triton backend below hidden size 2048 the gradients are
+    formed in the backward from the statistics pass (8NHV: recomputing the logits there costs
+    less than holding them), chosen by the hidden size alone (a token's results never follow
+    the call). Without a gradient it is the log-prob pass, reduced.
 
     Args:
         hidden: ``[N, H]`` (this rank's token shard under sequence parallelism).
@@ -296,9 +300,10 @@ def linear_cross_entropy(
         weight_grad_accumulator: a float32 tensor shaped like ``weight`` (Megatron's
             ``main_grad``) that the weight's gradient is added into instead of being returned.
             The upstream gradient is known only in the backward (unless ``upstream_grad``
-            declares it), so the gradients are then formed there (the log-prob pass, logits
-            recomputed: 8NHV rather than 6NHV), the weight's in float32 straight into the
-            accumulator: nothing of size ``[V_local, H]`` is allocated.
+            declares it), so the weight's gradient goes into it there: the float32 dW formed in
+            the forward (or the kept logit gradient's product) times the upstream gradient, in
+            one pass; on the backward route (above) the logits recomputed, the weight's
+            gradient in float32 straight into the accumulator.
         placeholder_weight_grad: with an accumulator, give ``weight`` a zero-stride zero
             gradient instead of none (see :func:`linear_logprob_entropy`).
         upstream_grad: with an accumulator, the gradient the returned loss will receive in its
@@ -311,8 +316,8 @@ def linear_cross_entropy(
         batch_invariant: each token's results and its row of the hidden states' gradient
             bitwise independent of the other tokens in the call, of their number and of the
             chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
-            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (the
-            log-prob backward's dX rows: cuBLAS's, measured so, not promised); the torch
+            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (each
+            token's sums in one fixed shape, dX's too); the torch
             backend, and the BLAS products of either (wide id sets, the truncation's
             statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU
             (the torch backend's weight gradients added into one float32 buffer in order);
@@ -365,9 +370,12 @@ def linear_policy_loss(
     ``f`` is a per-token function: :class:`PolicyLoss` (PPO/GRPO clipped ratio, dual clip, KL to
     a reference, entropy bonus; the default), or any plain-torch function of per-token tensors
     made a :class:`TokenLoss` by :func:`per_token_loss`. Its derivatives in the token's log-prob
-    and entropy are taken by autograd on each chunk's float32 values, and the logit gradient is
-    formed while the chunk's logits exist, as :func:`linear_cross_entropy` does (3 matmuls,
-    6NHV; the backward only scales the float32 dX and dW by the upstream gradient). The
+    and entropy are taken by autograd on each chunk's float32 values (:class:`PolicyLoss`'s
+    written out in the Triton backend's kernels, operation for operation as autograd takes
+    them), and the logit gradient is formed while the chunk's logits exist, as
+    :func:`linear_cross_entropy` does and where it does (3 matmuls, 6NHV; the backward only
+    scales the float32 dX and dW by the upstream gradient; below hidden 2048 on Triton, from
+    the statistics pass in the backward). The
     aggregation (token mean, sequence mean of token sums or means) is ``token_weight``: see
     :func:`aggregation_weights`. Objectives that couple tokens (sequence-level ratios such as
     GSPO's) are not per-token: take :func:`linear_logprob_entropy` and the loss in torch.
@@ -389,8 +397,8 @@ def linear_policy_loss(
         parallel: the vocab-parallel layout (:class:`VocabParallel`).
         chunk_size: tokens per chunk (as :func:`linear_cross_entropy`).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
-        weight_grad_accumulator: as :func:`linear_cross_entropy`'s (gradients formed in the
-            backward, the weight's added into it in float32).
+        weight_grad_accumulator: as :func:`linear_cross_entropy`'s (the weight's gradient
+            added into it in float32 in the backward).
         placeholder_weight_grad: as :func:`linear_logprob_entropy`'s.
         upstream_grad: as :func:`linear_cross_entropy`'s (with an accumulator, the loss's
             gradient declared in advance: gradients formed in the forward, the weight's added
@@ -404,8 +412,8 @@ def linear_policy_loss(
         batch_invariant: each token's results and its row of the hidden states' gradient
             bitwise independent of the other tokens in the call, of their number and of the
             chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
-            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (the
-            log-prob backward's dX rows: cuBLAS's, measured so, not promised); the torch
+            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (each
+            token's sums in one fixed shape, dX's too); the torch
             backend, and the BLAS products of either (wide id sets, the truncation's
             statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU
             (the torch backend's weight gradients added into one float32 buffer in order);
@@ -476,13 +484,13 @@ def _fused(hidden, weight, p: KernelParams, token_weight: torch.Tensor,
     """(loss, logprob, entropy) of the weighted NLL (``loss`` None), a :class:`PolicyLoss` with
     its ``inputs``, or a bound :class:`TokenLoss`. Gradients formed in the forward where any is
     needed and the backend forms them there at this hidden size
-    (:func:`~.ops.forms_gradients_in_forward`; with a weight-gradient accumulator and no
+    (:func:`~.loss_op.forms_gradients_in_forward`; with a weight-gradient accumulator and no
     declared upstream gradient, which scales what is added into it, the backward adds the
     float32 dW into it), or an upstream gradient is declared; otherwise the log-prob pass and
     the terms, the logits recomputed in the backward; without gradients, the log-prob pass
     alone.
     The NLL and :class:`PolicyLoss` run as custom ops; a Python function's loss through
-    :class:`~.ops.LinearFusedLoss`, or autograd over its terms."""
+    :class:`~.loss_op.LinearFusedLoss`, or autograd over its terms."""
     if p.n == 0:  # an empty micro-batch or shard: a zero loss, zero gradients
         anchor = _zero_anchor(hidden, weight)
         return anchor, anchor.detach().expand(0), anchor.detach().expand(0)
@@ -493,17 +501,17 @@ def _fused(hidden, weight, p: KernelParams, token_weight: torch.Tensor,
         in_forward = True  # declared: the caller asked for the weight's gradient in the forward
     else:  # an accumulator takes the op's float32 dW in its backward (not a Python loss's)
         in_forward = ((p.weight_grad_accumulator is None or as_data)
-                      and ops.forms_gradients_in_forward(p.backend, hidden.shape[1]))
+                      and loss_op.forms_gradients_in_forward(p.backend, hidden.shape[1]))
     names = () if loss is None or not as_data else loss.input_names
     if (need_x or need_w) and in_forward and as_data:
-        return ops.fused_loss(hidden, weight, p, token_weight, loss, [inputs[k] for k in names],
+        return loss_op.fused_loss(hidden, weight, p, token_weight, loss, [inputs[k] for k in names],
                               need_x, need_w)
     if (need_x or need_w) and in_forward:
-        return ops.LinearFusedLoss.apply(hidden, weight, p, loss, need_x, need_w)
-    logprob, entropy, _, _ = ops.stats(hidden, weight, p)
+        return loss_op.LinearFusedLoss.apply(hidden, weight, p, loss, need_x, need_w)
+    logprob, entropy, _, _ = stats_op.stats(hidden, weight, p)
     if as_data:
-        data = None if loss is None else ops.policy_loss_data(loss)
-        terms = call(ops.token_terms, logprob, entropy, p.valid, token_weight, data,
+        data = None if loss is None else loss_op.policy_loss_data(loss)
+        terms = call(loss_op.token_terms, logprob, entropy, p.valid, token_weight, data,
                      [inputs[k] for k in names], p.backend)[0]
         needs_entropy = loss is not None and loss.needs_entropy
     else:

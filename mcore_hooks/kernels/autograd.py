@@ -9,7 +9,7 @@ MAX and a SUM all-reduce per batch, or per chunk of the fused loss), gathers seq
 hidden states once, and reduces their gradient once (all-reduce, or reduce-scatter under sequence
 parallelism), so the backends' kernels stay pure math. Options travel as one frozen
 :class:`~.options.KernelParams`. The passes run as custom ops (:mod:`.ops`); only a loss given
-as a Python function runs through :class:`~.ops.LinearFusedLoss`, outside the ops.
+as a Python function runs through :class:`~.loss_op.LinearFusedLoss`, outside the ops.
 
 Per token, with ``l = coef * (x @ W.T)`` (``coef = logit_scale / temperature``) over the full
 vocabulary, ``m = max l``, ``s = sum exp(l - m)``, ``logZ = m + log s``, ``p = exp(l - logZ)``:

@@ -4,10 +4,10 @@ A GEMM library picks its algorithm (tiles, split-K) by shape, so the same token'
 summed in another order when the call holds more or fewer tokens (up to 1.9e-6 in a log-prob,
 measured on an H200 between 7 and 16384 tokens, before the Triton backend's kernels made its
 own paths invariant). The Triton backend's passes sum each token in one order by construction
-(the log-prob backward's dX rows: cuBLAS's, the same at every number of rows as measured) and run
+(dX's too: a fixed shape of vocabulary segments, ``triton_kernels._hidden_grad_kernel``) and run
 as they are; what else goes through a BLAS does not: the torch backend's passes, and on
 either backend the dense products of wide id sets and the truncation's top-k statistics
-(:mod:`.candidates`, ``ops.top_k_ids``). :class:`InvariantBlocks` gives those the same
+(:mod:`.candidates`, ``candidates_op.top_k_ids``). :class:`InvariantBlocks` gives those the same
 shapes whatever the call: the tokens are cut into blocks of :func:`block_rows` (2048 on a GPU,
 64 on the CPU), each copied into a
 fresh ``[block, H]`` buffer (the last padded with zero rows that count for nothing: label none,

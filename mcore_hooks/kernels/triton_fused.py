@@ -1,34 +1,45 @@
 """Triton backend: the two passes of :mod:`.autograd` with the logits fused into the matmul (the
 kernels are in :mod:`.triton_kernels`; their launches, tiles and grids here).
 
-Forward (``local_stats``): one kernel launch per 2048 tokens, grid (token blocks x vocab splits).
-Each program computes a ``[BLOCK_N, BLOCK_V]`` logits tile with ``tl.dot`` over the hidden size
-(fp32 accumulators), scales it by ``coef = logit_scale / temperature`` and folds it into running
-per-row max / sum-exp / entropy term held in registers; logits never reach memory. The label's
-logit is one fp32 dot per token in a separate small kernel, which keeps the tiles' epilogue short.
-The vocabulary is cut into fixed segments (:func:`vocab_segments`, from its size alone); a program
-walks whole segments and stores each one's statistics (``[segments, N]``, 384 bytes a token), which
-a small kernel adds in segment order. So a token's statistics are the same bits whatever the number
-of tokens, which only sets how many segments a program walks. Any vocabulary size: tiles past the
+Launches are a fixed handful per pass, whatever the shape (a Python loop over vocabulary or
+token chunks would make the host's work grow with V / H or N: 652 launches a call at hidden 896
+before, longer on the host than on the GPU below 2048 tokens; ``benchmarks/bench_sweep.py``).
+
+Prologue (:meth:`TritonFused.prologue`): the labels' validity, the logits' coefficients
+``logit_scale / temperature`` and this rank's label rows, one launch.
+
+Forward (``stats``, ``local_stats``): one launch of the statistics kernel, its programs in groups
+of 2048 tokens x vocab splits. Each program computes a ``[BLOCK_N, BLOCK_V]`` logits tile with
+``tl.dot`` over the hidden size (fp32 accumulators), scales it by ``coef`` and folds it into
+running per-row max / sum-exp / entropy term held in registers; logits never reach memory. The
+label's logit is one fp32 dot per token in a separate small kernel, which keeps the tiles'
+epilogue short. The vocabulary is cut into fixed segments (:func:`vocab_segments`, from its size
+alone); a program walks whole segments and stores each one's statistics (``[segments, N]``, 384
+bytes a token), which a small kernel adds in segment order (on one rank it also finishes them:
+log-prob, entropy, log Z). So a token's statistics are the same bits whatever the number of
+tokens, which only sets how many segments a program walks. Any vocabulary size: tiles past the
 end are masked, no divisibility is assumed.
 
-Backward (``grads``): the vocabulary is walked in chunks of ``Vc`` rows (with dX: H in whole
-tiles, from H alone, so dX's sum over the chunks does not follow the number of tokens; cuBLAS
-forms a row of ``dz @ W[chunk]`` the same for any number of rows in what was measured, not by
-contract: ``benchmarks/profile_invariant.py``). A kernel recomputes the
-``[N, Vc]`` logits tile by tile and writes their gradient ``dz`` (in the input dtype) once; cuBLAS
-then forms ``dW[chunk] = dz.T @ X`` in one call (a single rounding, K = N) and accumulates
-``dX += dz @ W[chunk]`` into a float32 buffer. With ``Vc <= H``, ``dz`` is kept in the bf16 dX
-output, which is written only at the end: the backward's only extra memory is the fp32 dX
-accumulator. No atomics: results are deterministic.
+Backward (``grads``): the vocabulary is walked in chunks of whole dX segments
+(:func:`dx_segment`), as many as a 1 GiB buffer of the logit gradient holds (one chunk up to
+3449 tokens at a 151936-token vocabulary). A kernel recomputes the chunk's ``[N, Vc]`` logits
+tile by tile and writes their gradient ``dz`` (input dtype) once; cuBLAS forms
+``dW[chunk] = dz.T @ X`` in one call (a single rounding, K = N; into ``main_grad`` with float32
+accumulation where one is given); ``_hidden_grad_kernel`` adds ``dz @ W[chunk]`` to dX. dX's sum
+over the vocabulary has one fixed shape (each segment's partial from 0, the partials added in
+order), whether one program adds a tile's segments or a program per segment and a merge do (few
+tokens: more programs), and whatever the chunks: a token's dX row is the same bits in any call.
+No atomics: results are deterministic.
 
-The fused losses (:meth:`~.autograd.Backend.fused_loss`: gradients formed in the forward, token
-chunks sized from the call) take two products from here: the chunk's float32 logits
-(``_logits_kernel``, the statistics kernel's tile loop) and dX ``dz @ W`` summed over the
-vocabulary (``_hidden_grad_kernel``). Each sums a row in one order whatever the number of rows;
-cuBLAS's dX rows changed with the number of rows (it splits the vocabulary's sum for fewer rows)
-and its logits' rows did at one measured shape. So a token's results there do not depend on the
-call either. dW, a sum over tokens, stays with cuBLAS.
+The fused losses (:meth:`~.autograd.Backend.fused_loss`: gradients formed in the forward, from
+hidden size 2048, :attr:`TritonFused.forward_gradients_min_hidden`) take from here the chunk's
+float32 logits (``_logits_kernel``, the statistics kernel's tile loop), one row kernel that forms
+each token's statistics, loss term and derivatives and its logit gradient
+(:mod:`.triton_losses`), dX (``_hidden_grad_kernel``), and for few tokens dW formed in the
+backward from the kept logit gradient (``_weight_grad_kernel``, the upstream gradient applied
+before its one rounding). Below that hidden size a fused loss takes the statistics pass, the
+per-token terms kernel and the backward above (the logits recomputed cost less than holding
+them). dW, a sum over tokens, is cuBLAS's where formed in the forward.
 
 Tile shapes depend on the GPU: :data:`TILES` holds one set per family (sm_90, sm_80, sm_86/89),
 chosen by compute capability and the per-block shared memory the device offers
@@ -154,10 +165,11 @@ def device_tiles(device: torch.device) -> Optional[Tiles]:
 
 
 # The log-prob backward's logit gradient is made a vocabulary chunk [N, Vc] at a time (input
-# dtype), at most this many bytes: one chunk (three launches: the gradient, dW, dX) up to
-# 3534 tokens at a 151936-token vocabulary, 10 at 32768. Chunks of H columns (the old rule,
-# to keep the chunk inside the dX output) took 3 launches per H columns: 652 launches a call
-# at hidden 896, the host's work longer than the GPU's below 2048 tokens.
+# dtype), at most this many bytes (chunks are whole dX segments: one segment where even that
+# passes it): one chunk (three launches: the gradient, dW, dX) up to 3449 tokens at a
+# 151936-token vocabulary, 16 (a 9728-column segment each) at 32768. Chunks of H columns (the
+# old rule, to keep the chunk inside the dX output) took 3 launches per H columns: 652 launches
+# a call at hidden 896, the host's work longer than the GPU's below 2048 tokens.
 _BWD_CHUNK_BYTES = 1 << 30
 # A fused loss over few tokens keeps its logit gradient dz [N, V] (input dtype) up to this many
 # bytes for the backward, which forms dW from it (_weight_grad_kernel: the upstream gradient
@@ -177,7 +189,7 @@ _TERMS_BLOCK = 1024
 _ROW_BLOCK = 4096
 # Fewest vocab splits of the forward grid: 4 measured fastest with TMA loads (32.9 ms, against
 # 35.1 at 8; benchmarks/profile_h200_tma.log; measured on one launch over the whole call, before
-# the launches of _FWD_GROUP tokens).
+# the programs in groups of _FWD_GROUP tokens).
 _MIN_SPLITS = 4
 # Segments the statistics kernel cuts the vocabulary into (the last may be shorter): each
 # token's statistics are formed per segment and added in segment order, so they do not depend
@@ -185,8 +197,8 @@ _MIN_SPLITS = 4
 # segments to fill the GPU at 1024 tokens; their [3, segments, N] float32 statistics are
 # 384 bytes a token at 32.
 _SEGMENTS = 32
-# Tokens per launch of the statistics kernel (16 row blocks of 128: with the splits that fill
-# an H100/H200 once, one wave).
+# Tokens per group of the statistics kernel's programs (16 row blocks of 128: with the splits
+# that fill an H100/H200 once, one wave; the groups follow one another in one launch).
 _FWD_GROUP = 2048
 # Tokens per program of the segments' merge.
 _MERGE_BLOCK = 512
@@ -255,7 +267,7 @@ def forward_splits(row_blocks: int, vtiles: int, sms: int) -> int:
     weight tiles). A rule of two programs per SM left a last wave of a few programs at 2048-4096
     tokens: 4096 x 4096 x 151936 took 9.38 ms with it, 7.75 with this (H200,
     ``benchmarks/profile_kernels.py --splits``, on one launch over the whole call, before the
-    launches of ``_FWD_GROUP`` tokens)."""
+    groups of ``_FWD_GROUP`` tokens)."""
     top = max(_MIN_SPLITS, 2 * math.ceil(2 * sms / row_blocks))
 
     def cost(s: int) -> int:
@@ -320,7 +332,7 @@ class TritonFused(Backend):
     # A fused loss forms its gradients in the forward from this hidden size on (6NHV, float32
     # dW held for the backward); below it, in the backward from the statistics pass (8NHV, no
     # float32 [V, H] buffer, nor [N, V] logits and their gradient in memory, which at a small
-    # hidden size cost more than the logits' recomputation: ops.forms_gradients_in_forward).
+    # hidden size cost more than the logits' recomputation: loss_op.forms_gradients_in_forward).
     forward_gradients_min_hidden = 2048
 
     def __init__(self, tiles: Tiles = TILES[0]) -> None:
@@ -574,7 +586,7 @@ class TritonFused(Backend):
 
     @staticmethod
     def token_terms(logprob, entropy, valid, token_weight, loss, inputs):
-        """:func:`~.ops.token_terms` in one launch: the terms and their derivatives, float32."""
+        """:func:`~.loss_op.token_terms` in one launch: the terms and their derivatives, float32."""
         n = logprob.shape[0]
         out = [torch.empty(n, dtype=torch.float32, device=logprob.device) for _ in range(3)]
         if n == 0:

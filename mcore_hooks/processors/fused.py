@@ -14,8 +14,8 @@ float32 ``main_grad`` (Megatron DDP), the weight's gradient is added into ``main
 in the backward, and the weight is marked ``grad_added_to_main_grad`` with a placeholder gradient,
 as Megatron's own linear layers do: the kernels allocate no ``[V, h]`` gradient, the placeholder
 is ``[V/tp, h]`` (Megatron's protocol; DDP's hook drops it at once). The losses whose gradients
-are otherwise formed in the forward then form them in the backward (the upstream gradient that
-scales them is known only there), unless ``upstream_grad`` declares it.
+are formed in the forward add the weight's into ``main_grad`` in the backward (the upstream
+gradient that scales it is known only there), unless ``upstream_grad`` declares it.
 """
 
 from __future__ import annotations

@@ -143,8 +143,9 @@ class PolicyLossProcessor(_FusedProcessor):
             gradient by the call's count.
         upstream_grad: where the output weight's gradient goes into Megatron's ``main_grad``
             (``gradient_accumulation_fusion``), the gradient the returned loss will receive in
-            the backward, declared so that the gradients are formed in the forward (6NHV) rather
-            than recomputed in the backward (8NHV): under Megatron's schedules,
+            the backward, declared so that ``upstream_grad * dW`` goes into ``main_grad`` in the
+            forward (6NHV at every hidden size) and no float32 ``[V/tp, h]`` dW is held until
+            the backward: under Megatron's schedules,
             :func:`megatron_upstream_grad` (``cp_size / num_microbatches`` for a ``loss_func``
             returning ``(loss, logging)`` with bf16). Checked in the backward on the device: a
             different gradient stops the process with a device-side assertion. The forward

@@ -1,0 +1,147 @@
+"""The log-prob/entropy pass as a custom op (see :mod:`.ops`): ``logsoftmax_stats``, its backward
+``logsoftmax_stats_backward``, and :func:`stats`, the pass through them."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import autograd as ag
+from . import candidates as cand
+from .dispatch import call, custom_op, register_autograd
+from .ops import _F32, _backend, _fake_group_size, _group, _nothing, group_name, invariant
+from .options import KernelParams
+
+@custom_op("mcore_hooks::logsoftmax_stats", mutates_args=())
+def logsoftmax_stats(
+    hidden: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
+    group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str,
+    accumulator: Optional[Tensor], placeholder: bool, extra_ids: Optional[Tensor] = None,
+    compiled: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(logprob, entropy, logz, label_is_argmax, max, log_s, gathered hidden, extra logits)``
+    per token (``labels``: this rank's local rows, ``KernelParams.local_labels``); max, log_s
+    and the gathered hidden states (only under sequence parallelism, else empty) are for the
+    backward. ``extra_ids`` (``[N, K]`` global ids, -1 padding): their
+    float32 logits, differentiable, their gradient folded into this pass's backward like the
+    label's (empty without). ``accumulator`` and ``placeholder`` are for the backward alone
+    (where the weight's gradient goes; whether the weight then gets a zero-stride placeholder).
+    ``compiled``: traced by ``torch.compile`` (where the accumulator is one of the graph's
+    saved tensors: :func:`~.autograd.check_accumulator_kept`)."""
+    if accumulator is not None and compiled:
+        ag.check_accumulator_kept()
+    pg = _group(group)
+    x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
+    impl = _backend(backend, hidden.device)
+    logprob, entropy, logz, best, m, log_s = impl.stats(x, weight, coef, labels, valid,
+                                                        chunk_size, pg, invariant(backend))
+    extra = _nothing(coef)
+    if extra_ids is not None:
+        extra = cand.candidate_logits(x, weight, coef, extra_ids, vocab_start,
+                                      cand.gather_chunk_size(extra_ids.shape[1], x.shape[1]),
+                                      invariant(backend), impl.gathered_dots)
+        # each id on one rank: exact in any order (ordered all the same: with batch invariance
+        # no sum over more than two ranks is left to a collective's order)
+        ag.all_reduce(extra, torch.distributed.ReduceOp.SUM, pg, invariant(backend))
+    return (logprob, entropy, logz, best, m, log_s, x if sequence_parallel else _nothing(hidden),
+            extra)
+
+
+@logsoftmax_stats.register_fake
+def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
+      accumulator, placeholder, extra_ids=None, compiled=False):
+    n = labels.shape[0]
+    f32 = [hidden.new_empty(n, dtype=_F32) for _ in range(5)]
+    x = hidden.new_empty((n, hidden.shape[1])) if sequence_parallel else _nothing(hidden)
+    extra = hidden.new_empty(extra_ids.shape, dtype=_F32) if extra_ids is not None else coef.new_empty(0)
+    return f32[0], f32[1], f32[2], hidden.new_empty(n, dtype=torch.bool), f32[3], f32[4], x, extra
+
+
+@custom_op("mcore_hooks::logsoftmax_stats_backward", mutates_args=("accumulator",))
+def logsoftmax_stats_backward(
+    x: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
+    group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str, m: Tensor,
+    log_s: Tensor, entropy: Tensor, g_logprob: Tensor, g_entropy: Tensor, need_x: bool,
+    need_w: bool, accumulator: Optional[Tensor], extra_ids: Optional[Tensor] = None,
+    extra_g: Optional[Tensor] = None, extra_logits: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """``(dX, dW)`` of ``sum g_logprob * logprob + g_entropy * entropy`` (``x`` all tokens; dX
+    reduced over the group, this rank's shard under sequence parallelism); empty where not
+    asked for, or dW where it went into ``accumulator``. ``extra_g``: the gradient of the
+    ``extra_ids``' logits, ``extra_logits`` (the forward's) with them."""
+    local_label = labels  # local rows already (KernelParams.local_labels)
+    extra = None
+    if extra_ids is not None and extra_g is not None:
+        if extra_logits is None:
+            raise ValueError("logsoftmax_stats_backward: extra_g needs extra_logits, the forward's "
+                             "logits of extra_ids")
+        owned, cols = cand.owned_rows(extra_ids, vocab_start, weight.shape[0])
+        extra = (torch.where(owned, cols, -1), extra_g, extra_logits)
+    dx, dw = _backend(backend, x.device).grads(
+        x, weight, coef, local_label, m, log_s, entropy, g_logprob, g_entropy, chunk_size, need_x,
+        need_w, accumulator if need_w else None, extra)
+    if dx is not None:
+        dx = ag.reduce_hidden_grad(dx, _group(group), sequence_parallel, invariant(backend))
+    return (_nothing(x) if dx is None else dx), (_nothing(weight) if dw is None else dw)
+
+
+@logsoftmax_stats_backward.register_fake
+def _(x, weight, labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
+      m, log_s, entropy, g_logprob, g_entropy, need_x, need_w, accumulator, extra_ids=None,
+      extra_g=None, extra_logits=None):
+    rows = x.shape[0] // _fake_group_size(group) if sequence_parallel else x.shape[0]
+    dx = x.new_empty((rows, x.shape[1])) if need_x else _nothing(x)
+    dw = weight.new_empty(weight.shape) if need_w and accumulator is None else _nothing(weight)
+    return dx, dw
+
+
+def _stats_setup(ctx, inputs, output):
+    (hidden, weight, labels, valid, coef, vocab_start, group, sp, chunk_size, backend, accumulator,
+     placeholder) = inputs[:12]
+    _, entropy, logz, _, m, log_s, gathered, extra = output
+    # only the log-prob and entropy carry gradients; the rest are for the backward or detached
+    # by contract (and no zeros are made for the gradients of outputs the loss did not use)
+    ctx.mark_non_differentiable(logz, m, log_s, gathered)
+    ctx.set_materialize_grads(False)
+    extra_ids = inputs[12] if len(inputs) > 12 else None
+    ctx.save_for_backward(gathered if sp else hidden, weight, labels, valid, coef, m, log_s, entropy,
+                          extra_ids, extra)
+    ctx.args = (vocab_start, group, sp, chunk_size, backend)
+    # not saved: it is written between this forward and its backward by design (other
+    # micro-batches' backwards), which save_for_backward's version check would refuse
+    ctx.accumulator = accumulator
+    ctx.hidden_shape, ctx.placeholder = hidden.shape, placeholder
+
+
+def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gathered, d_extra):
+    x, weight, labels, valid, coef, m, log_s, entropy, extra_ids, extra = ctx.saved_tensors
+    accumulator = ctx.accumulator
+    zero = torch.zeros_like(m)
+    g1 = torch.where(valid, d_logprob.float(), zero) if d_logprob is not None else zero
+    g2 = torch.where(valid, d_entropy.float(), zero) if d_entropy is not None else zero
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    acc = accumulator if need_w else None
+    e_g = d_extra.float() if d_extra is not None and extra_ids is not None else None
+    dx, dw = call(logsoftmax_stats_backward, x, weight, labels, valid, coef, *ctx.args, m, log_s,
+                  entropy, g1, g2, need_x, need_w, acc, extra_ids, e_g,
+                  extra if e_g is not None else None)
+    dx = dx.view(ctx.hidden_shape) if need_x else None
+    if acc is not None:
+        dw = ag.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None
+    elif not need_w:
+        dw = None
+    return (dx, dw) + (None,) * 12
+
+
+register_autograd(logsoftmax_stats, _stats_backward, _stats_setup)
+
+
+def stats(hidden: Tensor, weight: Tensor, p: KernelParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(logprob, entropy, logz, label_is_argmax)`` through the op, differentiable in ``hidden``
+    and ``weight`` (the weight's gradient into ``p.weight_grad_accumulator`` where one is given)."""
+    out = call(logsoftmax_stats, hidden, weight, p.local_labels, p.valid, p.coef, p.vocab_start,
+               group_name(p.group), p.sequence_parallel, p.chunk_size, p.backend,
+               p.weight_grad_accumulator, p.dummy_weight_grad, None, torch.compiler.is_compiling())
+    return out[0], out[1], out[2], out[3]
