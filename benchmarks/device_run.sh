@@ -65,6 +65,14 @@ if [ "$what" = invariance ]; then
     done
   done
 fi
+if [ "$what" = sweep ]; then
+  timeout -k 5 560 python3 benchmarks/bench_sweep.py --section entry --vocab ${VOCAB:-151936} \
+    --tokens ${TOKENS:-256 512 2048 8192} --json "$out/sweep_${VOCAB:-151936}.json" 2>&1 | grep '|' | tee "$out/sweep.md" || rc=1
+fi
+if [ "$what" = step ]; then
+  timeout -k 5 560 python3 benchmarks/bench_step.py --gpus ${GPUS:-4} --shape ${SHAPE:-0.5b} \
+    --json "$out/step_${SHAPE:-0.5b}.json" 2>&1 | grep '^|\|FAILED' | tee "$out/step.md" || rc=1
+fi
 if [ "$what" = e2e ]; then
   timeout -k 5 580 python3 benchmarks/bench_e2e.py --tokens 8192 16384 --dp 8 --json "$out/e2e.json" 2>&1 | tee "$out/e2e.log" || rc=1
 fi

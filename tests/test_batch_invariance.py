@@ -221,11 +221,12 @@ def test_every_processor_through_the_hook_is_batch_invariant_by_default():
 def test_the_opt_out_is_taken_and_checked(monkeypatch):
     """``batch_invariant=False`` reaches the kernels: the torch backend runs on the call's own
     shapes, no fixed blocks; a non-bool is refused before anything runs."""
-    from mcore_hooks.kernels import ops
+    from mcore_hooks.kernels import ops, stats_op
 
     names = []
     real = ops._backend
-    monkeypatch.setattr(ops, "_backend", lambda name, device: names.append(name) or real(name, device))
+    # where the statistics pass looks its backend up
+    monkeypatch.setattr(stats_op, "_backend", lambda name, device: names.append(name) or real(name, device))
     g = torch.Generator().manual_seed(3)
     layer = torch.nn.Linear(H, V, bias=False)
     kw = hook_keywords(torch.randn(40, 1, H, generator=g), layer,
@@ -292,14 +293,14 @@ def test_a_tokens_results_do_not_depend_on_the_rest_of_the_call_over_four_ranks(
 def _ordered_sums(rank: int, world: int) -> tuple:
     """Order-sensitive terms (magnitudes 1e-3 to 1e8) summed by batch invariance's two
     reductions; ``[13, 3]``: not a multiple of the group's size (padded)."""
-    from mcore_hooks.kernels import autograd as ag
+    from mcore_hooks.kernels import comm
 
     g = torch.Generator().manual_seed(10 + rank)
     t = torch.randn(13, 3, generator=g) * 10.0 ** torch.randint(-3, 9, (13, 3), generator=g)
     x = (torch.randn(4 * world, 5, generator=g)
          * 10.0 ** torch.randint(-3, 4, (4 * world, 5), generator=g)).bfloat16()
-    s = ag.all_reduce(t.clone(), dist.ReduceOp.SUM, dist.group.WORLD, ordered=True)
-    r = ag.reduce_scatter_tokens(x.clone(), dist.group.WORLD, ordered=True)
+    s = comm.all_reduce(t.clone(), dist.ReduceOp.SUM, dist.group.WORLD, ordered=True)
+    r = comm.reduce_scatter_tokens(x.clone(), dist.group.WORLD, ordered=True)
     return t.tolist(), s.tolist(), x.float().tolist(), r.float().tolist()
 
 

@@ -27,7 +27,8 @@ from .arguments import (  # noqa: F401  (re-exported: the entry points' argument
     BACKENDS, _id_matrix, _nan_where, _prepare, _token_vector, backend_for, backend_name,
     check_upstream_grad_option, default_chunk_size, triton_unavailable,
 )
-from .autograd import GlobalStats, TokenLoss, group_rank_size, label_is_row_max
+from .autograd import GlobalStats, TokenLoss, label_is_row_max
+from .comm import group_rank_size
 from .candidates import Truncation
 from .losses import PerTokenLoss, PolicyLoss, PolicyLossResult, aggregation_weights, per_token_loss
 from .options import KernelParams, VocabParallel

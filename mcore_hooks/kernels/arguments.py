@@ -15,7 +15,8 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .autograd import Backend, group_rank_size, local_labels
+from .autograd import Backend, local_labels
+from .comm import group_rank_size
 from .debug import check_values
 from .invariant import block_rows
 from .options import KernelParams, is_finite

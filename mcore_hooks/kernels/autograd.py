@@ -1,13 +1,13 @@
-"""What every backend shares: communication, the statistics' algebra, the fused loss's chunk loop.
+"""What every backend shares: the statistics' algebra, the fused loss's chunk loop, the autograd helpers.
 
 A backend (:class:`Backend`) supplies the passes over this rank's vocabulary shard and owns their
-chunk loops: ``local_stats`` (forward: per-token max, sum-exp, entropy term and target logit of
-the local logits), ``grads`` (backward: recompute the logits, form their gradient, return dX and
-dW), and ``fused_loss`` (a loss whose gradients are formed in the forward, over the row passes
-``row_stats`` / ``row_grad``). This module combines shards across the tensor-parallel group (a
-MAX and a SUM all-reduce per batch, or per chunk of the fused loss), gathers sequence-parallel
-hidden states once, and reduces their gradient once (all-reduce, or reduce-scatter under sequence
-parallelism), so the backends' kernels stay pure math. Options travel as one frozen
+chunk loops: ``local_stats`` / ``stats`` (forward: per-token max, sum-exp, entropy term and
+target logit of the local logits; combined over the group), ``grads`` (backward: recompute the
+logits, form their gradient, return dX and dW), and ``fused_loss`` (a loss whose gradients are
+formed in the forward, over the row pass ``row_loss``). This module combines shards across the
+tensor-parallel group (a MAX and a SUM all-reduce per batch, or per chunk of the fused loss,
+through :mod:`.comm`, which also gathers sequence-parallel hidden states and reduces their
+gradient), so the backends' kernels stay pure math. Options travel as one frozen
 :class:`~.options.KernelParams`. The passes run as custom ops (:mod:`.ops`); only a loss given
 as a Python function runs through :class:`~.loss_op.LinearFusedLoss`, outside the ops.
 
@@ -38,6 +38,7 @@ from typing import NamedTuple, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from .comm import all_reduce
 from .matmul import addmm_f32_, mm_f32
 from .options import KernelParams
 
@@ -69,14 +70,6 @@ class TokenLoss(Protocol):
 
 def _as_is(t: torch.Tensor) -> torch.Tensor:
     return t
-
-
-def group_rank_size(group) -> tuple[int, int]:
-    """This process's rank in ``group`` and its size; ``(0, 1)`` for None (not split) or without
-    torch.distributed."""
-    if group is None or not dist.is_available() or not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def placeholder_grad_like(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -216,7 +209,7 @@ class Backend:
     ) -> tuple[torch.Tensor, ...]:
         """The log-prob/entropy pass's results, float32 ``[N]``: ``(logprob, entropy, logZ,
         label_is_argmax, max, log_s)``, the first two 0 where not ``valid``; ``local_stats``
-        combined over ``group`` (``ordered``: :func:`all_reduce`'s)."""
+        combined over ``group`` (``ordered``: `comm.all_reduce`'s)."""
         st = combine(self.local_stats(x, weight, coef, local_label, chunk_size), group, ordered)
         return (torch.where(valid, st.logprob(), 0.0), torch.where(valid, st.entropy, 0.0),
                 st.max + st.log_s, valid & label_is_row_max(st), st.max, st.log_s)
@@ -357,71 +350,6 @@ class Backend:
         return FusedLoss(loss, logprob, entropy, dx, dw)
 
 
-def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group, ordered: bool = False) -> torch.Tensor:
-    """``t`` reduced over the group in place. ``ordered`` (batch invariance): a sum over more
-    than two ranks is added in rank order (:func:`_slice_in_rank_order`, then an all-gather:
-    an all-reduce's traffic); the order of a collective's own sum depends on the message's
-    size and the element's place in it. A maximum, or a sum of two (``a + b == b + a``), is
-    the same in any order."""
-    world = group_rank_size(group)[1]
-    if ordered and world > 2 and op == dist.ReduceOp.SUM:
-        flat = t.reshape(-1)
-        pad = -flat.numel() % world
-        mine = _slice_in_rank_order(torch.cat([flat, flat.new_zeros(pad)]) if pad else flat, group)
-        whole = torch.empty((world * mine.numel(),), dtype=t.dtype, device=t.device)
-        dist.all_gather(list(whole.chunk(world)), mine, group=group)
-        t.copy_(whole[: flat.numel()].view(t.shape))
-    elif world > 1:
-        dist.all_reduce(t, op=op, group=group)
-    return t
-
-
-def _slice_in_rank_order(t: torch.Tensor, group) -> torch.Tensor:
-    """This rank's slice of ``t`` (split along dim 0 into the group's size, equal parts) summed
-    over the group in rank order: an all-to-all brings it every rank's term (the traffic and
-    memory of a reduce-scatter), added in float32 in rank order and rounded once."""
-    world = group_rank_size(group)[1]
-    terms = torch.empty_like(t, memory_format=torch.contiguous_format)
-    dist.all_to_all_single(terms, t.contiguous(), group=group)
-    terms = terms.view((world, -1) + tuple(t.shape[1:]))
-    out = terms[0].to(torch.float32, copy=True)  # this rank's slice alone stays alive
-    for term in terms[1:]:
-        out.add_(term)
-    return out.to(t.dtype)
-
-
-def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
-    """Sequence-parallel all-gather along tokens, allocating on ``x``'s device."""
-    world = group_rank_size(group)[1]
-    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather(list(out.chunk(world)), x.contiguous(), group=group)
-    return out
-
-
-def gather_columns(t: torch.Tensor, group) -> torch.Tensor:
-    """All-gather ``[N, k]`` along the columns: ``[N, world * k]``, rank-major."""
-    world = group_rank_size(group)[1]
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
-
-
-def reduce_scatter_tokens(x: torch.Tensor, group, ordered: bool = False) -> torch.Tensor:
-    """Sum over ranks, keep this rank's token shard (the sequence-parallel dgrad reduction);
-    ``ordered`` as :func:`all_reduce`'s."""
-    rank, world = group_rank_size(group)
-    if ordered and world > 2:
-        return _slice_in_rank_order(x, group)
-    if x.device.type == "cpu" or dist.get_backend(group) == "gloo":  # gloo has no reduce_scatter:
-        # all-reduce a copy, then slice (gloo also takes CUDA tensors: ranks sharing one GPU)
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x.chunk(world)[rank].clone()
-    out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
-    return out
-
-
 def rescaled(stats: LocalStats, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``sumexp`` and ``plogp`` of ``stats`` re-expressed relative to ``new_max`` (>= its max),
     so partial statistics over disjoint vocab ranges can be added."""
@@ -445,7 +373,7 @@ class GlobalStats(NamedTuple):
 
 def combine(stats: LocalStats, group, ordered: bool = False) -> GlobalStats:
     """Shard statistics -> global statistics: one MAX, one SUM all-reduce (``ordered``: as
-    :func:`all_reduce`'s)."""
+    `comm.all_reduce`'s)."""
     gmax = all_reduce(stats.max.clone(), dist.ReduceOp.MAX, group)
     summed = torch.stack([*rescaled(stats, gmax), stats.target])
     all_reduce(summed, dist.ReduceOp.SUM, group, ordered)
@@ -466,16 +394,6 @@ def local_labels(labels, valid, vocab_start: int, v_local: int) -> torch.Tensor:
     position is ignored)."""
     local = labels - vocab_start
     return torch.where((local >= 0) & (local < v_local) & valid, local, -1)
-
-
-def reduce_hidden_grad(dx: torch.Tensor, group, sequence_parallel: bool,
-                       ordered: bool = False) -> torch.Tensor:
-    """The one reduction of the hidden states' gradient: reduce-scatter under sequence
-    parallelism, else all-reduce (each rank saw only its vocab shard); ``ordered`` as
-    :func:`all_reduce`'s."""
-    if sequence_parallel:
-        return reduce_scatter_tokens(dx, group, ordered)
-    return all_reduce(dx, dist.ReduceOp.SUM, group, ordered)
 
 
 def expect_backward(ctx) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from . import autograd as ag
+from . import comm
 from . import candidates as cand
 from .dispatch import call, custom_op, register_autograd
 from .invariant import block_rows, blocks, padded
@@ -30,11 +31,11 @@ def candidate_logits(
     if accumulator is not None and compiled:
         ag.check_accumulator_kept()
     pg = _group(group)
-    x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
+    x = comm.gather_tokens(hidden, pg) if sequence_parallel else hidden
     logits = cand.candidate_logits(x, weight, coef, ids, vocab_start, chunk_size, invariant(backend),
                                    _backend(backend, hidden.device).gathered_dots)
     # each id owned by one rank: exact (ordered all the same, as the statistics op's)
-    ag.all_reduce(logits, torch.distributed.ReduceOp.SUM, pg, invariant(backend))
+    comm.all_reduce(logits, torch.distributed.ReduceOp.SUM, pg, invariant(backend))
     return logits, (x if sequence_parallel else _nothing(hidden))
 
 
@@ -57,7 +58,7 @@ def candidate_logits_backward(
     dx, dw = cand.candidate_grads(x, weight, coef, ids, vocab_start, d_logits, chunk_size, need_x,
                                   need_w, accumulator if need_w else None, invariant)
     if dx is not None:
-        dx = ag.reduce_hidden_grad(dx.to(x.dtype), _group(group), sequence_parallel, invariant)
+        dx = comm.reduce_hidden_grad(dx.to(x.dtype), _group(group), sequence_parallel, invariant)
     return (_nothing(x) if dx is None else dx), (_nothing(weight) if dw is None else dw)
 
 
@@ -122,7 +123,7 @@ def top_k_ids(
     (its chunks of materialised logits; Triton's fused tiles keep no logits to rank), then
     merged over the group."""
     pg = _group(group)
-    x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
+    x = comm.gather_tokens(hidden, pg) if sequence_parallel else hidden
     n = x.shape[0]
     none = torch.full((n,), -1, dtype=torch.long, device=x.device)
     if invariant:  # fixed-shape blocks, as InvariantBlocks runs the statistics pass
@@ -140,8 +141,8 @@ def top_k_ids(
         local, (values, rows) = TorchChunked.local_stats_top_k(x, weight, coef, none, chunk_size, top_k)
     st = ag.combine(local, pg, invariant)
     ids = rows + vocab_start
-    if ag.group_rank_size(pg)[1] > 1:
-        values, ids = ag.gather_columns(values, pg), ag.gather_columns(ids, pg)
+    if comm.group_rank_size(pg)[1] > 1:
+        values, ids = comm.gather_columns(values, pg), comm.gather_columns(ids, pg)
         values, where = values.topk(min(top_k, values.shape[1]), dim=1)
         ids = ids.gather(1, where)
     return values, ids, st.max, st.log_s

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import autograd as ag
+from . import comm
 from .dispatch import call, custom_op, register_autograd
 from .losses import PolicyLoss, WeightedNLL, per_token_loss
 from .matmul import mm_f32
@@ -124,7 +125,7 @@ def _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequenc
                 need_x, need_w):
     p = _params(labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
                 accumulator, upstream_grad)
-    x = ag.gather_tokens(hidden, p.group) if sequence_parallel else hidden
+    x = comm.gather_tokens(hidden, p.group) if sequence_parallel else hidden
     local_label = labels  # local rows already (KernelParams.local_labels)
     defer = _defers_weight_grad(backend, x.shape[0], weight, chunk_size, sequence_parallel, need_w,
                                 accumulator is not None)
@@ -349,7 +350,7 @@ class LinearFusedLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, p: KernelParams, token_loss: ag.TokenLoss, need_x: bool,
                 need_w: bool):
-        x = ag.gather_tokens(hidden, p.group) if p.sequence_parallel else hidden
+        x = comm.gather_tokens(hidden, p.group) if p.sequence_parallel else hidden
         local_label = p.local_labels
         r = _backend(p.backend, hidden.device).fused_loss(x, weight, p, local_label, token_loss,
                                                           need_x, need_w)
@@ -369,7 +370,7 @@ class LinearFusedLoss(torch.autograd.Function):
         p: KernelParams = ctx.params
         dx = dw = None
         if dx32 is not None:
-            dx = ag.reduce_hidden_grad(_scaled(dx32, grad, ctx.dtype), p.group, p.sequence_parallel,
+            dx = comm.reduce_hidden_grad(_scaled(dx32, grad, ctx.dtype), p.group, p.sequence_parallel,
                                        p.batch_invariant)
             dx = dx.view(ctx.hidden_shape)
         if dw32 is not None:

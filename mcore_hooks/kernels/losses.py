@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .debug import check_values
-from .autograd import all_reduce
+from .comm import all_reduce
 from .options import is_finite
 
 AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean")

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from . import autograd as ag
+from . import comm
 from .options import KernelParams
 from .invariant import InvariantBlocks, block_rows
 from .torch_chunked import TorchChunked
@@ -86,7 +87,7 @@ def _fake_group_size(name: Optional[str]) -> int:
 @custom_op("mcore_hooks::all_reduce_", mutates_args=("t",))
 def all_reduce_(t: Tensor, group: str, ordered: bool = False) -> None:
     """Sum ``t`` over the group, in place (``ordered``: in rank order, ``autograd.all_reduce``)."""
-    ag.all_reduce(t, torch.distributed.ReduceOp.SUM, _group(group), ordered)
+    comm.all_reduce(t, torch.distributed.ReduceOp.SUM, _group(group), ordered)
 
 
 @all_reduce_.register_fake
@@ -97,7 +98,7 @@ def _(t, group, ordered=False):
 @custom_op("mcore_hooks::reduce_scatter_tokens", mutates_args=())
 def reduce_scatter_tokens(t: Tensor, group: str, ordered: bool = False) -> Tensor:
     """Sum over the group, keep this rank's token shard (``ordered``: in rank order)."""
-    return ag.reduce_scatter_tokens(t, _group(group), ordered)
+    return comm.reduce_scatter_tokens(t, _group(group), ordered)
 
 
 @reduce_scatter_tokens.register_fake

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from . import autograd as ag
+from . import comm
 from . import candidates as cand
 from .dispatch import call, custom_op, register_autograd
 from .ops import _F32, _backend, _fake_group_size, _group, _nothing, group_name, invariant
@@ -33,7 +34,7 @@ def logsoftmax_stats(
     if accumulator is not None and compiled:
         ag.check_accumulator_kept()
     pg = _group(group)
-    x = ag.gather_tokens(hidden, pg) if sequence_parallel else hidden
+    x = comm.gather_tokens(hidden, pg) if sequence_parallel else hidden
     impl = _backend(backend, hidden.device)
     logprob, entropy, logz, best, m, log_s = impl.stats(x, weight, coef, labels, valid,
                                                         chunk_size, pg, invariant(backend))
@@ -44,7 +45,7 @@ def logsoftmax_stats(
                                       invariant(backend), impl.gathered_dots)
         # each id on one rank: exact in any order (ordered all the same: with batch invariance
         # no sum over more than two ranks is left to a collective's order)
-        ag.all_reduce(extra, torch.distributed.ReduceOp.SUM, pg, invariant(backend))
+        comm.all_reduce(extra, torch.distributed.ReduceOp.SUM, pg, invariant(backend))
     return (logprob, entropy, logz, best, m, log_s, x if sequence_parallel else _nothing(hidden),
             extra)
 
@@ -83,7 +84,7 @@ def logsoftmax_stats_backward(
         x, weight, coef, local_label, m, log_s, entropy, g_logprob, g_entropy, chunk_size, need_x,
         need_w, accumulator if need_w else None, extra)
     if dx is not None:
-        dx = ag.reduce_hidden_grad(dx, _group(group), sequence_parallel, invariant(backend))
+        dx = comm.reduce_hidden_grad(dx, _group(group), sequence_parallel, invariant(backend))
     return (_nothing(x) if dx is None else dx), (_nothing(weight) if dw is None else dw)
 
 
