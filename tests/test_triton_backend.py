@@ -12,7 +12,7 @@ import math
 import os
 import subprocess
 import sys
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import pytest
 import torch
@@ -666,14 +666,17 @@ def test_misaligned_views_fall_back_to_pointer_loads():
 # --------------------------------------------------------------------------- tiles of other GPUs
 
 
-def _compiled_shared_memory(kernel, signature: dict, flags: dict, capability: int, tile) -> int:
+def _compiled_shared_memory(kernel, signature: dict, flags: dict, capability: int, tile,
+                            names: Optional[dict] = None) -> int:
     """Shared memory of ``kernel`` compiled for a GPU of this compute capability (Triton
-    cross-compiles; nothing runs, no GPU needed)."""
+    cross-compiles; nothing runs, no GPU needed); ``names``: the kernel's own names of the
+    tile's block sizes."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     launch = tile.launch()
     options = dict(num_warps=launch.pop("num_warps"), num_stages=launch.pop("num_stages"))
+    launch = {(names or {}).get(k, k): v for k, v in launch.items()}
     constexprs = dict(flags, **launch)
     signature = dict(signature, **{k: "constexpr" for k in constexprs})
     src = ASTSource(
@@ -696,11 +699,16 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
                   stride_w="i32", stride_z="i32")
     dx = dict(DZ="*bf16", W="*bf16", ACC="*fp32", OUT="*bf16", PARTS="*fp32", N="i32", H="i32",
               V="i32", seg_cols="i32", segments="i32", stride_dz="i32", stride_w="i32", stride_o="i32")
+    dw = dict(DZ="*bf16", X="*bf16", G="*fp32", DW="*fp32", N="i32", V="i32", H="i32",
+              stride_dz="i32", stride_x="i32", stride_dw="i32")
+    dw_names = dict(BLOCK_N="BLOCK_V", BLOCK_V="BLOCK_H")  # its tile's axes: vocabulary, hidden
     flags = dict(EVEN_K=True, USE_TMA=False)
     return [
         _compiled_shared_memory(triton_kernels._stats_fwd_kernel, fwd, flags, capability, tiles.fwd),
         _compiled_shared_memory(triton_kernels._dlogits_kernel, bwd, flags, capability, tiles.bwd),
         _compiled_shared_memory(triton_kernels._logits_kernel, logits, flags, capability, tiles.fwd),
+        _compiled_shared_memory(triton_kernels._weight_grad_kernel, dw, dict(ACCUMULATE=True),
+                                capability, triton_fused.Tile(*triton_fused._DW_TILE, 8, 2), names=dw_names),
         _compiled_shared_memory(triton_kernels._hidden_grad_kernel, dx,
                                 dict(USE_TMA=False, GROUP=triton_fused._DX_GROUP, SPLIT=False,
                                      CONTINUE=True), capability, tiles.dx),
@@ -793,3 +801,33 @@ def test_triton_fused_loss_adds_its_weight_gradient_into_an_accumulator(dtype, r
     assert none is None
     assert torch.equal(dx2, dx)
     assert rel(acc - 1, dw) < GRAD_TOL[dtype] / 8
+
+
+def test_strided_per_token_inputs_are_read_as_given(route):
+    """Per-token inputs given as strided views (a column of a [N, 2] tensor, an expanded
+    scalar) give the same bits as contiguous copies: the kernels read a token's value at its
+    index, so the entry points hand them contiguous tensors."""
+    from mcore_hooks.kernels import PolicyLoss, linear_policy_loss
+
+    n, h, v = 37, 40, 301
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(n, h, generator=g).to(DEVICE, DTYPES[-1])
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, DTYPES[-1])
+    labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    wide = torch.rand(n, 2, generator=g).to(DEVICE)
+    old = -3 * torch.rand(n, 3, generator=g).to(DEVICE)
+    adv = torch.randn(n, 2, generator=g).to(DEVICE)
+    cfg = PolicyLoss(clip_high=0.28, entropy_coef=0.01)
+
+    def run(tw, inputs):
+        xr = x.clone().requires_grad_()
+        r = linear_policy_loss(xr, w, labels, token_weight=tw, loss=cfg, inputs=inputs,
+                               temperature=torch.full((1,), 0.9, device=DEVICE).expand(n),
+                               backend="triton")
+        r.loss.backward()
+        return r.loss.detach(), r.logprob, xr.grad
+
+    strided = run(wide[:, 1], {"old_logprobs": old[:, 2], "advantages": adv[:, 0]})
+    plain = run(wide[:, 1].contiguous(), {"old_logprobs": old[:, 2].contiguous(),
+                                          "advantages": adv[:, 0].contiguous()})
+    assert all(torch.equal(a, b) for a, b in zip(strided, plain))

@@ -79,7 +79,9 @@ def _token_vector(name: str, t: Any, n: int, device: torch.device,
         raise TypeError(f"{name}: expected a float tensor, got {getattr(t, 'dtype', type(t).__name__)}")
     if t.shape != (n,):
         raise ValueError(f"{name}: expected shape ({n},) (one per token), got {tuple(t.shape)}")
-    return t.detach().to(device=device, dtype=torch.float32)
+    # contiguous: the Triton kernels read a token's value at its index (a strided view, such
+    # as a column of a [b, k] tensor, would read other tokens' values)
+    return t.detach().to(device=device, dtype=torch.float32).contiguous()
 
 
 def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel, chunk_size,

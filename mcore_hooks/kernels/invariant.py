@@ -18,7 +18,7 @@ chunking (for a given ``chunk_size``: the default depends on the vocabulary only
 parallelism the statistics' and dX's sums over the ranks run over all the call's tokens: a sum
 of two terms has one order, but a collective's order over more ranks depends on the message
 size and the element's place in it, so past two ranks each rank is brought its slice of
-every rank's terms (an all-to-all) and adds them in rank order (``autograd.all_reduce``'s
+every rank's terms (an all-to-all) and adds them in rank order (``comm.all_reduce``'s
 ``ordered``). dW (the torch backend): each block's products are added into one float32 buffer in
 block order, rounded once at the end; with Megatron's ``main_grad`` as that buffer, a call split
 at block boundaries into micro-batches adds the same bits as the whole call.

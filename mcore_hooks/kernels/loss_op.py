@@ -14,6 +14,7 @@ from torch import Tensor
 
 from . import autograd as ag
 from . import comm
+from .debug import check_values
 from .dispatch import call, custom_op, register_autograd
 from .losses import PolicyLoss, WeightedNLL, per_token_loss
 from .matmul import mm_f32
@@ -73,6 +74,8 @@ def token_terms(
     if backend.partition("+")[0] == "triton":
         from . import triton_fused
 
+        if any(check_values(t) for t in inputs):  # debug checks on: PerTokenLoss.bind's refusals
+            _token_loss(token_weight, policy, inputs, valid)
         loss = None if policy is None else _policy_loss(policy)
         return triton_fused.TritonFused.token_terms(logprob, entropy, valid, token_weight, loss, inputs)
     loss = _token_loss(token_weight, policy, inputs, valid)
@@ -232,7 +235,7 @@ def _weight_grad(dz: Tensor, x: Tensor, grad: Tensor) -> Tensor:
 def accumulate_weight_grad_(accumulator: Tensor, dw: Tensor, x: Optional[Tensor], grad: Tensor) -> None:
     """``accumulator += grad * dW`` in float32: ``dw`` the float32 dW formed in the forward, or
     (``x`` given) the logit gradient ``[N, V_local]`` dW is formed from (``dw.T @ x``)."""
-    eager = not torch.compiler.is_compiling() and accumulator.is_cuda
+    eager = not torch.compiler.is_compiling() and accumulator.is_cuda and accumulator.is_contiguous()
     if eager:
         from . import triton_fused
 
@@ -242,7 +245,7 @@ def accumulate_weight_grad_(accumulator: Tensor, dw: Tensor, x: Optional[Tensor]
             triton_fused.TritonFused.weight_grad(dw, x, grad, accumulator)
         else:
             accumulator.addcmul_(mm_f32(dw.t(), x), grad.float())
-    elif eager and accumulator.is_contiguous() and dw.is_contiguous():
+    elif eager and dw.is_contiguous():
         triton_fused.TritonFused.scale_accumulate(dw, grad, accumulator)
     else:
         accumulator.addcmul_(dw, grad.float())

@@ -61,7 +61,7 @@ class WeightedNLL:
 
     def __init__(self, token_weight: torch.Tensor) -> None:
         self.token_weight = token_weight
-        self.data = LossData(token_weight)
+        self.kernel_data = LossData(token_weight)
 
     def terms(self, rows: slice, logprob: torch.Tensor, entropy: Optional[torch.Tensor]) -> torch.Tensor:
         return -self.token_weight[rows] * logprob
@@ -208,8 +208,8 @@ class _BoundPerTokenLoss:
         self._safe: Optional[dict] = None
         # exactly PolicyLoss (a subclass may change the formula), its own entropy flag: a kernel
         # evaluates it (and zeroes the inputs that do not count itself)
-        self.data = (LossData(token_weight, loss.fn, tuple(inputs[k] for k in loss.fn.input_names))
-                     if type(loss.fn) is PolicyLoss and not loss.entropy_given else None)
+        self.kernel_data = (LossData(token_weight, loss.fn, tuple(inputs[k] for k in loss.fn.input_names))
+                            if type(loss.fn) is PolicyLoss and not loss.entropy_given else None)
 
     @property
     def inputs(self) -> dict:

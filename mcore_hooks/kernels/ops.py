@@ -71,8 +71,10 @@ def invariant(backend: str) -> bool:
 
 def _params(labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
             accumulator=None, upstream_grad=None) -> KernelParams:
+    """An op's arguments as :class:`KernelParams`; ``labels`` are local rows there (the ops
+    take ``KernelParams.local_labels``): in both fields, no global ids at hand."""
     return KernelParams(labels, valid, coef, vocab_start, _group(group), sequence_parallel,
-                        chunk_size, backend, accumulator, False, upstream_grad)
+                        chunk_size, backend, accumulator, False, upstream_grad, labels)
 
 
 def _nothing(like: Tensor) -> Tensor:
@@ -86,7 +88,7 @@ def _fake_group_size(name: Optional[str]) -> int:
 
 @custom_op("mcore_hooks::all_reduce_", mutates_args=("t",))
 def all_reduce_(t: Tensor, group: str, ordered: bool = False) -> None:
-    """Sum ``t`` over the group, in place (``ordered``: in rank order, ``autograd.all_reduce``)."""
+    """Sum ``t`` over the group, in place (``ordered``: in rank order, ``comm.all_reduce``)."""
     comm.all_reduce(t, torch.distributed.ReduceOp.SUM, _group(group), ordered)
 
 
@@ -108,7 +110,7 @@ def _(t, group, ordered=False):
 
 def reduce_hidden_grad(dx: Tensor, group: Optional[str], sequence_parallel: bool,
                        ordered: bool = False) -> Tensor:
-    """:func:`~.autograd.reduce_hidden_grad` through the ops (a backward traced by AOTAutograd
+    """:func:`~.comm.reduce_hidden_grad` through the ops (a backward traced by AOTAutograd
     cannot call a collective on a process group)."""
     if group is None:
         return dx

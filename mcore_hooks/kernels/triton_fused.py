@@ -59,6 +59,7 @@ from typing import Any, Optional
 import torch
 
 from .autograd import Backend, LocalStats, combine
+from .losses import LossData
 from .matmul import addmm_f32_
 
 try:  # Triton is optional; the torch backend needs none of this.
@@ -97,8 +98,9 @@ class Tile:
 class Tiles:
     """The forward (statistics), logit-gradient and hidden-gradient kernels' tiles for one GPU
     family, and whether operands load through tensor descriptors (the bulk copy engine, compute
-    capability 9.0+). ``dx`` (the fused losses' ``dz @ W``): ``block_n`` tokens by ``block_v``
-    hidden columns of output, ``block_k`` vocabulary rows a step."""
+    capability 9.0+). ``dx`` (``dz @ W``, the log-prob backward's and the fused losses'):
+    ``block_n`` tokens by ``block_v`` hidden columns of output, ``block_k`` vocabulary rows a
+    step."""
 
     name: str
     min_capability: tuple[int, int]
@@ -177,7 +179,8 @@ _BWD_CHUNK_BYTES = 1 << 30
 # it in the backward (V x H x 4 bytes written, read, and V x H x 2 written: 2.5 ms of a 4 ms
 # call at 256 x 4096 x 151936 on an H100). 1766 tokens at a 151936-token vocabulary.
 _SAVED_DZ_BYTES = 512 << 20
-# The weight gradient kernel's tile: [vocabulary rows, hidden columns, tokens a step].
+# The weight gradient kernel's tile: [vocabulary rows, hidden columns, tokens a step] (two
+# stages of its operands: 64 KiB of shared memory, within every family's).
 _DW_TILE = (128, 128, 64)
 # Tokens per program of the entry points' prologue.
 _PROLOGUE_BLOCK = 1024
@@ -209,8 +212,9 @@ _DX_GROUP = 8
 # Segments the hidden gradient's sum over the vocabulary is cut into (from the vocabulary's
 # size alone; each a multiple of 256 columns): fixed, so a token's dX row is the same bits
 # whether a program adds a tile's segments itself or programs form one segment each for a
-# merge, which fills the GPU when the tokens are few (512 x 896 x 151936: 16 programs
-# without; the product took 1.36 ms on an H100, cuBLAS's split-K 0.25 ms).
+# merge, which fills the GPU when the tokens are few (512 x 896 x 151936: the 16 programs of
+# the old 128 x 256 tile walked the whole vocabulary, 1.36 ms on an H100; cuBLAS's split-K
+# took 0.25 ms).
 _DX_SEGMENTS = 16
 # Most bytes of float32 partials the split form may hold (segments x N x H x 4).
 _DX_SPLIT_BYTES = 256 << 20
@@ -505,8 +509,8 @@ class TritonFused(Backend):
         return out
 
     def row_loss(self, z, p, rows, local_label, token_loss, dz, loss, logprob, entropy) -> None:
-        data = getattr(token_loss, "data", None)
-        if data is None:  # a Python function's terms: autograd's derivatives
+        data = getattr(token_loss, "kernel_data", None)
+        if not isinstance(data, LossData):  # a Python function's terms: autograd's derivatives
             return super().row_loss(z, p, rows, local_label, token_loss, dz, loss, logprob, entropy)
         c, v = z.shape
         coef, valid = p.coef[rows], p.valid[rows]
@@ -563,7 +567,7 @@ class TritonFused(Backend):
         _weight_grad_kernel[grid](dz, x, grad.float().reshape(1), out, n, v, h, dz.stride(0),
                                   x.stride(0), out.stride(0), BLOCK_V=_DW_TILE[0],
                                   BLOCK_H=_DW_TILE[1], BLOCK_K=_DW_TILE[2],
-                                  ACCUMULATE=accumulator is not None, num_warps=8, num_stages=3)
+                                  ACCUMULATE=accumulator is not None, num_warps=8, num_stages=2)
         return out
 
     @staticmethod

@@ -332,12 +332,14 @@ if triton is not None:
         """The SPLIT partials added in segment order, as the sequential form adds them."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < NH
+        part = PARTS + offs  # 64-bit pointers: segments x N x H may pass 2**31
         if CONTINUE:
-            total = tl.load(ACC + offs, mask=mask, other=0.0) + tl.load(PARTS + offs, mask=mask, other=0.0)
+            total = tl.load(ACC + offs, mask=mask, other=0.0) + tl.load(part, mask=mask, other=0.0)
         else:
-            total = tl.load(PARTS + offs, mask=mask, other=0.0)
+            total = tl.load(part, mask=mask, other=0.0)
         for s in range(1, segments):
-            total = total + tl.load(PARTS + s * NH + offs, mask=mask, other=0.0)
+            part += NH
+            total = total + tl.load(part, mask=mask, other=0.0)
         tl.store(OUT + offs, total.to(OUT.dtype.element_ty), mask=mask)
 
     # Given ids' columns of the logit gradient (``selected_ids``: their logits' gradients g).

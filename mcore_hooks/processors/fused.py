@@ -12,10 +12,12 @@ top-k distillation).
 Where the model's config asks for ``gradient_accumulation_fusion`` and the output weight has a
 float32 ``main_grad`` (Megatron DDP), the weight's gradient is added into ``main_grad`` in float32
 in the backward, and the weight is marked ``grad_added_to_main_grad`` with a placeholder gradient,
-as Megatron's own linear layers do: the kernels allocate no ``[V, h]`` gradient, the placeholder
-is ``[V/tp, h]`` (Megatron's protocol; DDP's hook drops it at once). The losses whose gradients
-are formed in the forward add the weight's into ``main_grad`` in the backward (the upstream
-gradient that scales it is known only there), unless ``upstream_grad`` declares it.
+as Megatron's own linear layers do: the log-prob pass allocates no ``[V, h]`` gradient, the
+placeholder is ``[V/tp, h]`` (Megatron's protocol; DDP's hook drops it at once). The losses whose
+gradients are formed in the forward hold their float32 ``[V/tp, h]`` weight gradient (or, for
+few tokens, their logit gradient) until the backward, which adds it into ``main_grad`` scaled by
+the upstream gradient (known only there), unless ``upstream_grad`` declares that gradient: then
+it goes into ``main_grad`` in the forward and nothing of that size is held.
 """
 
 from __future__ import annotations
