@@ -271,7 +271,7 @@ class Backend:
         ``entropy`` is not None) into ``loss``, ``logprob``, ``entropy``, and with ``dz`` the
         terms' logit gradient into it. Here the generic way: statistics (``row_stats``, combined
         over the group), the terms and their derivatives by autograd, then ``row_grad``; a
-        backend may evaluate a loss given as data (``token_loss.data``) in its own kernel."""
+        backend may evaluate a loss given as data (``token_loss.kernel_data``) in its own kernel."""
         coef, valid = p.coef[rows], p.valid[rows]
         with_entropy = entropy is not None
         st = combine(self.row_stats(z, coef, local_label, with_entropy), p.group, p.batch_invariant)
