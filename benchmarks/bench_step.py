@@ -42,7 +42,6 @@ import copy
 import datetime
 import json
 import math
-import os
 import socket
 import statistics
 import sys

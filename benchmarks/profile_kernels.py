@@ -16,6 +16,7 @@ import triton
 import triton.testing
 
 from mcore_hooks.kernels import triton_fused as tf
+from mcore_hooks.kernels import triton_tiles as tt
 
 
 def bench(fn) -> float:
@@ -25,12 +26,12 @@ def bench(fn) -> float:
 def backend(bn: int, bv: int, bk: int, nw: int, ns: int, tma: bool = True) -> tf.TritonFused:
     """The Triton backend with these tiles for the statistics and logit-gradient kernels (a
     sweep's candidate); the fused losses' hidden gradient keeps sm_90's tile."""
-    tile = tf.Tile(bn, bv, bk, nw, ns)
-    return tf.TritonFused(tf.Tiles(f"{bn}x{bv}x{bk}/{nw}w/{ns}s", (0, 0), fwd=tile, bwd=tile,
-                                   dx=tf.TILES[0].dx, tma=tma))
+    tile = tt.Tile(bn, bv, bk, nw, ns)
+    return tf.TritonFused(tt.Tiles(f"{bn}x{bv}x{bk}/{nw}w/{ns}s", (0, 0), fwd=tile, bwd=tile,
+                                   dx=tt.TILES[0].dx, tma=tma))
 
 
-DEFAULT = tf.TritonFused(tf.TILES[0])
+DEFAULT = tf.TritonFused(tt.TILES[0])
 
 
 def main() -> None:
@@ -174,7 +175,7 @@ def compare_tma(x, w, coef, label, flop, ceiling) -> None:
     for bn, bv, bk, nw, ns in [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4)]:
         cfg = dict(BLOCK_N=bn, BLOCK_V=bv, BLOCK_K=bk, num_warps=nw, num_stages=ns)
         for tma in (False, True):
-            xa, wa, used = tf._operands(x, w, tf.Tile(bn, bv, bk, nw, ns), tma)
+            xa, wa, used = tf._operands(x, w, tt.Tile(bn, bv, bk, nw, ns), tma)
 
             def dlogits():
                 for v0 in range(0, v, vc):

@@ -310,9 +310,9 @@ def test_vocab_parallel_matches_unsplit(world):
     ],
 )
 def test_triton_tiles_are_chosen_by_compute_capability_and_shared_memory(capability, shared_memory, family):
-    from mcore_hooks.kernels import triton_fused
+    from mcore_hooks.kernels import triton_tiles
 
-    tiles = triton_fused.tiles_for(capability, shared_memory)
+    tiles = triton_tiles.tiles_for(capability, shared_memory)
     assert (tiles.name if tiles else None) == family
     if tiles is not None:
         assert tiles.shared_memory() <= shared_memory
@@ -322,7 +322,7 @@ def test_triton_tiles_are_chosen_by_compute_capability_and_shared_memory(capabil
 def test_backend_in_use_is_visible(caplog, monkeypatch):
     import logging
 
-    from mcore_hooks.kernels import arguments, backend_for, triton_fused
+    from mcore_hooks.kernels import arguments, backend_for, triton_tiles
 
     assert backend_for(torch.float32, "cpu") == "torch"
     with pytest.raises(ValueError, match="backend: expected one of"):
@@ -331,7 +331,7 @@ def test_backend_in_use_is_visible(caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="mcore_hooks.kernels"):
         linear_logprob_entropy(torch.randn(2, 4), torch.randn(3, 4))
     assert "backend='auto' runs torch for torch.float32 inputs on cpu" in caplog.text
-    monkeypatch.setattr(triton_fused, "device_tiles", lambda device: None)  # a GPU nothing fits
+    monkeypatch.setattr(triton_tiles, "device_tiles", lambda device: None)  # a GPU nothing fits
     with pytest.raises(ValueError, match="backend: 'triton' needs bf16/fp16 inputs on a CUDA GPU"):
         backend_for(torch.bfloat16, "cpu", "triton")
 

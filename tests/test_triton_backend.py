@@ -20,8 +20,11 @@ import torch
 triton = pytest.importorskip("triton")
 
 from mcore_hooks.kernels import (  # noqa: E402
-    VocabParallel, linear_cross_entropy, linear_logprob_entropy, triton_fused, triton_kernels)
+    VocabParallel, linear_cross_entropy, linear_logprob_entropy, triton_fused, triton_kernels, triton_losses,
+    triton_tiles)
 from mcore_hooks.testing import run_on_ranks  # noqa: E402
+
+pytestmark = pytest.mark.release_independent
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -448,7 +451,7 @@ def test_a_tokens_statistics_do_not_depend_on_the_call(monkeypatch):
     that). (dX rows: tests/test_gpu.py, where cuBLAS forms them; a CPU BLAS may not.)"""
     monkeypatch.setattr(triton_fused, "_FWD_GROUP", 128)
     n, h, v = (3000, 256, 32003) if ON_GPU else (300, 32, 40 * 256 + 7)
-    seg_tiles, segments = triton_fused.vocab_segments(math.ceil(v / triton_fused.TILES[0].fwd.block_v))
+    seg_tiles, segments = triton_fused.vocab_segments(math.ceil(v / triton_tiles.TILES[0].fwd.block_v))
     assert seg_tiles > 1 and segments > 4
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, h, generator=g).to(DEVICE, DTYPES[0])
@@ -474,12 +477,12 @@ def test_a_tokens_statistics_do_not_depend_on_the_call(monkeypatch):
 
 
 @pytest.mark.parametrize("v", [301, 320])  # a masked vocabulary tail; whole steps (sm_90: boxes)
-@pytest.mark.parametrize("family", [t.name for t in triton_fused.TILES])
+@pytest.mark.parametrize("family", [t.name for t in triton_tiles.TILES])
 def test_the_fused_losses_products_do_not_depend_on_the_call(family, v):
     """The fused losses' logits ``x @ W.T`` and ``dX = dz @ W`` (every family's tiles): a row is
     the same bits alone, first, or after others across a row block's edge, in calls of 7 to n
     rows (several row and column blocks), and within float32 summation's bound of float64."""
-    backend = triton_fused.TritonFused(next(t for t in triton_fused.TILES if t.name == family))
+    backend = triton_fused.TritonFused(next(t for t in triton_tiles.TILES if t.name == family))
     # row blocks of 128: 20 (GPU: two full groups of 8 and a short one), 9 (one and a short)
     n, h = (2500, 520) if ON_GPU else (1100, 264)
     g = torch.Generator().manual_seed(v)
@@ -518,13 +521,13 @@ def test_backend_choice():
     assert backend_for(torch.float16, DEVICE, "torch") == "torch"
 
 
-@pytest.mark.parametrize("family", [t.name for t in triton_fused.TILES])
+@pytest.mark.parametrize("family", [t.name for t in triton_tiles.TILES])
 def test_every_gpu_familys_tiles_compute_the_same(family, monkeypatch):
     """Each family's tile shapes (forced here, whatever the GPU) against float64: the smaller
     tiles chosen for sm_80 and sm_86/89 are checked on any GPU this runs on (and under the
     interpreter), their fit in those GPUs' shared memory by the selection test."""
-    tiles = next(t for t in triton_fused.TILES if t.name == family)
-    monkeypatch.setattr(triton_fused, "device_tiles", lambda device: tiles)
+    tiles = next(t for t in triton_tiles.TILES if t.name == family)
+    monkeypatch.setattr(triton_tiles, "device_tiles", lambda device: tiles)
     n, h, v = 37, 72, 301  # nothing divisible by the tiles
     g = torch.Generator().manual_seed(7)
     dtype = DTYPES[-1]
@@ -655,7 +658,7 @@ def test_misaligned_views_fall_back_to_pointer_loads():
     backing = (torch.randn(v * h + 1, generator=g) / 8).to(DEVICE, dtype)
     w = backing[1:].view(v, h)  # 2-byte offset
     x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
-    assert triton_fused._operands(x, w, triton_fused.TILES[0].fwd, True)[2] is False
+    assert triton_fused._operands(x, w, triton_tiles.TILES[0].fwd, True)[2] is False
     labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
     ones = torch.ones(n, device=DEVICE)
     tri = _run("triton", x, w, labels, 1.0, ones, ones)
@@ -687,7 +690,7 @@ def _compiled_shared_memory(kernel, signature: dict, flags: dict, capability: in
 
 
 def _shared_memory_report(family: str, capability: int) -> list[int]:
-    tiles = next(t for t in triton_fused.TILES if t.name == family)
+    tiles = next(t for t in triton_tiles.TILES if t.name == family)
     ptr = {"X": "*bf16", "W": "*bf16", "COEF": "*fp32"}
     fwd = dict(ptr, M="*fp32", S="*fp32", A="*fp32", N="i32", V="i32", H="i32", stride_x="i32",
                stride_w="i32", stride_p="i32", seg_tiles="i32", segments="i32", segs_per_split="i32", splits="i32",
@@ -706,9 +709,9 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
     return [
         _compiled_shared_memory(triton_kernels._stats_fwd_kernel, fwd, flags, capability, tiles.fwd),
         _compiled_shared_memory(triton_kernels._dlogits_kernel, bwd, flags, capability, tiles.bwd),
-        _compiled_shared_memory(triton_kernels._logits_kernel, logits, flags, capability, tiles.fwd),
-        _compiled_shared_memory(triton_kernels._weight_grad_kernel, dw, dict(ACCUMULATE=True),
-                                capability, triton_fused.Tile(*triton_fused._DW_TILE, 8, 2), names=dw_names),
+        _compiled_shared_memory(triton_losses._logits_kernel, logits, flags, capability, tiles.fwd),
+        _compiled_shared_memory(triton_losses._weight_grad_kernel, dw, dict(ACCUMULATE=True),
+                                capability, triton_tiles.Tile(*triton_fused._DW_TILE, 8, 2), names=dw_names),
         _compiled_shared_memory(triton_kernels._hidden_grad_kernel, dx,
                                 dict(USE_TMA=False, GROUP=triton_fused._DX_GROUP, SPLIT=False,
                                      CONTINUE=True), capability, tiles.dx),
@@ -732,7 +735,7 @@ def test_each_familys_tiles_fit_that_gpu(family, capability, limit):
         pytest.skip("this Triton cannot compile for CUDA here (no ptxas)")
     assert run.returncode == 0, run.stderr[-3000:]
     used = json.loads(run.stdout.strip().splitlines()[-1])
-    tiles = next(t for t in triton_fused.TILES if t.name == family)
+    tiles = next(t for t in triton_tiles.TILES if t.name == family)
     assert max(used) <= tiles.shared_memory() <= limit, (used, tiles.shared_memory(), limit)
 
 

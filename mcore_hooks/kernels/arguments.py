@@ -195,9 +195,9 @@ def _prologue(labels: torch.Tensor, temperature: Any, logit_scale: float, ignore
     the GPU work of a small call); None elsewhere. The temperature's form is checked first."""
     if not labels.is_cuda or check_values(labels) or torch.compiler.is_compiling():
         return None
-    from . import triton_fused
+    from . import triton_fused, triton_tiles
 
-    if triton_fused.device_tiles(labels.device) is None:
+    if triton_tiles.device_tiles(labels.device) is None:
         return None
     coef = 0.0
     if isinstance(temperature, torch.Tensor):
@@ -271,9 +271,9 @@ def _select_backend(name: str, hidden: torch.Tensor) -> str:
 
 def _tiles_name(device: torch.device) -> str:
     """The name of the Triton tiles that run on ``device`` ("" where Triton cannot run)."""
-    from . import triton_fused  # lazily, here and below: it imports Triton, slow and optional
+    from . import triton_tiles  # lazily, here and below: it imports Triton, slow and optional
 
-    tiles = triton_fused.device_tiles(device)
+    tiles = triton_tiles.device_tiles(device)
     return "" if tiles is None else tiles.name
 
 

@@ -207,9 +207,9 @@ def _scaled(t32: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:
     (in one Triton pass where it runs, eager: torch's mul into another dtype runs at half the
     memory's speed)."""
     if t32.is_cuda and t32.is_contiguous() and not torch.compiler.is_compiling() and dtype != _F32:
-        from . import triton_fused
+        from . import triton_fused, triton_tiles
 
-        if triton_fused.device_tiles(t32.device) is not None:
+        if triton_tiles.device_tiles(t32.device) is not None:
             return triton_fused.TritonFused.scale_cast(t32, grad, dtype)
     return torch.mul(t32, grad, out=torch.empty(t32.shape, dtype=dtype, device=t32.device))
 
@@ -237,9 +237,9 @@ def accumulate_weight_grad_(accumulator: Tensor, dw: Tensor, x: Optional[Tensor]
     (``x`` given) the logit gradient ``[N, V_local]`` dW is formed from (``dw.T @ x``)."""
     eager = not torch.compiler.is_compiling() and accumulator.is_cuda and accumulator.is_contiguous()
     if eager:
-        from . import triton_fused
+        from . import triton_fused, triton_tiles
 
-        eager = triton_fused.device_tiles(accumulator.device) is not None
+        eager = triton_tiles.device_tiles(accumulator.device) is not None
     if x is not None:
         if eager:
             triton_fused.TritonFused.weight_grad(dw, x, grad, accumulator)

@@ -60,9 +60,9 @@ def _backend(name: str, device: torch.device) -> ag.Backend:
         aligned = mode == "invariant"
         backend: ag.Backend = TorchChunked(aligned=aligned)
         return InvariantBlocks(backend, block_rows(device)) if aligned else backend
-    from . import triton_fused  # lazily: it imports Triton, slow and optional
+    from . import triton_fused, triton_tiles  # lazily: they import Triton, slow and optional
 
-    return triton_fused.TritonFused(triton_fused.device_tiles(device))
+    return triton_fused.TritonFused(triton_tiles.device_tiles(device))
 
 
 def invariant(backend: str) -> bool:

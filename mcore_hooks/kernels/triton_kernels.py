@@ -1,7 +1,7 @@
 """The Triton backend's kernels (:mod:`.triton_fused` launches them; see its docstring for the
-design): the statistics pass and its segment merge, the logit-gradient pass, the fused losses'
-products and row passes, and the given ids' gathers. Plain tensors and constexpr tile shapes
-in, nothing chosen here.
+design): the prologue, the statistics pass and its segment merge, the logit-gradient pass, the
+hidden states' gradient, and the given ids' gathers (the fused losses' own: :mod:`.triton_losses`).
+Plain tensors and constexpr tile shapes in, nothing chosen here.
 """
 
 from __future__ import annotations
@@ -222,28 +222,6 @@ if triton is not None:
         ptr = DZ + rows[:, None].to(tl.int64) * stride_dz + cols_local[None, :]
         tl.store(ptr, dz.to(DZ.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
-    # The fused losses' logits: fp32 Z = X @ W.T ([N, H] x [V, H]) with the statistics kernel's
-    # tile loop, so a logit's sum over H runs in one order whatever N (cuBLAS's did not for
-    # every shape: benchmarks/RESULTS.md). Vocabulary tile slowest: the row blocks of a chunk
-    # (its X stays in L2) run together over each weight tile, read from memory once.
-    @triton.jit
-    def _logits_kernel(
-        X, W, Z, N, V, H, stride_x, stride_w, stride_z,
-        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        USE_TMA: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        row_blocks = tl.cdiv(N, BLOCK_N)
-        pid_n = pid % row_blocks
-        pid_v = pid // row_blocks
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        rmask, cmask = rows < N, cols < V
-        z = _logits_tile(X, W, rows, cols, rmask, cmask, pid_n * BLOCK_N, pid_v * BLOCK_V, H,
-                         stride_x, stride_w, BLOCK_N, BLOCK_V, BLOCK_K, EVEN_K, USE_TMA)
-        tl.store(Z + rows[:, None].to(tl.int64) * stride_z + cols[None, :], z,
-                 mask=rmask[:, None] & cmask[None, :])
-
     # dX = dz @ W ([N, V] @ [V, H]) with its sum over the vocabulary in a fixed shape: the
     # vocabulary is cut into segments (from its size alone: triton_fused.dx_segment), each
     # segment's partial sum formed from 0 tile after tile, the partials added in segment order
@@ -398,106 +376,6 @@ if triton is not None:
         tl.store(DZ + rows.to(tl.int64)[:, None] * stride_dz + local,
                  tl.load(VAL + at, mask=inside, other=0.0), mask=inside)
 
-    # Row passes of the losses with gradients formed in the forward, over one chunk's
-    # materialised fp32 logits (raw x @ W.T; coef applied on load). One program per row;
-    # memory-bound.
-    @triton.jit
-    def _row_stats_kernel(Z, COEF, LABEL, M, S, A, T, V, stride_z, BLOCK: tl.constexpr,
-                          ENTROPY: tl.constexpr):
-        row = tl.program_id(0)
-        base = Z + row.to(tl.int64) * stride_z
-        coef = tl.load(COEF + row)
-        label = tl.load(LABEL + row)
-        m = tl.max(tl.full([BLOCK], -1e30, dtype=tl.float32), axis=0)  # finite start, as above
-        s = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)
-        a = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)
-        for j in range(0, V, BLOCK):
-            cols = j + tl.arange(0, BLOCK)
-            cmask = cols < V
-            l = tl.load(base + cols, mask=cmask, other=0.0) * coef
-            l = tl.where(cmask, l, -1e30)  # past the end: exp underflows to 0, e * d is -0
-            m_new = tl.maximum(m, tl.max(l, axis=0))
-            alpha = tl.exp(m - m_new)
-            d = l - m_new
-            e = tl.exp(d)
-            if ENTROPY:
-                a = alpha * (a + (m - m_new) * s) + tl.sum(e * d, axis=0)
-            s = s * alpha + tl.sum(e, axis=0)
-            m = m_new
-        t = tl.load(base + tl.maximum(label, 0)) * coef
-        tl.store(M + row, m)
-        tl.store(S + row, s)
-        tl.store(A + row, a)
-        tl.store(T + row, tl.where(label >= 0, t, 0.0))
-
-    @triton.jit
-    def _row_grad_kernel(Z, DZ, COEF, LABEL, M, LOGS, G1, G2, ENT, V, stride_z, stride_dz,
-                         BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
-        row = tl.program_id(0)
-        base = Z + row.to(tl.int64) * stride_z
-        out = DZ + row.to(tl.int64) * stride_dz
-        coef = tl.load(COEF + row)
-        label = tl.load(LABEL + row)
-        m = tl.load(M + row)
-        log_s = tl.load(LOGS + row)
-        g1 = tl.load(G1 + row)
-        if ENTROPY:  # log p + H = u + (H - log s)
-            g2 = tl.load(G2 + row)
-            shift = tl.load(ENT + row) - log_s
-        for j in range(0, V, BLOCK):
-            cols = j + tl.arange(0, BLOCK)
-            mask = cols < V
-            u = tl.load(base + cols, mask=mask, other=0.0) * coef - m
-            p = tl.exp(u - log_s)
-            if ENTROPY:
-                dl = -p * (g1 + g2 * (u + shift))
-            else:
-                dl = -p * g1
-            dl += tl.where(cols == label, g1, 0.0)
-            tl.store(out + cols, (dl * coef).to(DZ.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _scale_cast_kernel(X, G, OUT, n, BLOCK: tl.constexpr):
-        """``OUT = X * G[0]`` (float32 ``X``, a scalar's one element ``G``) rounded once to
-        OUT's dtype: the fused losses' float32 gradients times the upstream gradient. (torch's
-        mul into a tensor of another dtype takes a path half the memory bandwidth's speed.)"""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        g = tl.load(G)
-        x = tl.load(X + offs, mask=mask, other=0.0)
-        tl.store(OUT + offs, (x * g).to(OUT.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _weight_grad_kernel(DZ, X, G, DW, N, V, H, stride_dz, stride_x, stride_dw,
-                            BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                            ACCUMULATE: tl.constexpr):
-        """``DW = G[0] * dz.T @ X`` ([V, N] @ [N, H], float32 sums of exact products, times
-        the upstream gradient, rounded once to DW's dtype; ACCUMULATE: added into float32 DW,
-        Megatron's main_grad): a fused loss's weight gradient from its saved logit gradient, in
-        the backward (few tokens: the sum is short, the output long). H tile fastest: the
-        programs running together share a dz tile."""
-        pid = tl.program_id(0)
-        num_h = tl.cdiv(H, BLOCK_H)
-        vs = (pid // num_h) * BLOCK_V + tl.arange(0, BLOCK_V)
-        hs = (pid % num_h) * BLOCK_H + tl.arange(0, BLOCK_H)
-        vmask, hmask = vs < V, hs < H
-        acc = tl.zeros([BLOCK_V, BLOCK_H], dtype=tl.float32)
-        for k in range(0, N, BLOCK_K):
-            ks = k + tl.arange(0, BLOCK_K)
-            kmask = ks < N
-            a = tl.load(DZ + ks[:, None].to(tl.int64) * stride_dz + vs[None, :],
-                        mask=kmask[:, None] & vmask[None, :], other=0.0)
-            b = tl.load(X + ks[:, None].to(tl.int64) * stride_x + hs[None, :],
-                        mask=kmask[:, None] & hmask[None, :], other=0.0)
-            acc = tl.dot(tl.trans(a), b, acc)
-        g = tl.load(G)
-        at = DW + vs[:, None].to(tl.int64) * stride_dw + hs[None, :]
-        omask = vmask[:, None] & hmask[None, :]
-        if ACCUMULATE:
-            tl.store(at, tl.load(at, mask=omask, other=0.0) + acc * g, mask=omask)
-        else:
-            tl.store(at, (acc * g).to(DW.dtype.element_ty), mask=omask)
-
     @triton.jit
     def _prologue_kernel(LABELS, TEMP, VALID, COEF, LOCAL, N, ignore_index, v_total, vocab_start,
                          v_local, scale, coef_scalar, BLOCK: tl.constexpr, PER_TOKEN: tl.constexpr):
@@ -523,13 +401,3 @@ if triton is not None:
         tl.store(VALID + offs, valid, mask=mask)
         tl.store(COEF + offs, tl.where(bad, float("nan"), c), mask=mask)
         tl.store(LOCAL + offs, tl.where(owned, local, -1), mask=mask)
-
-    @triton.jit
-    def _scale_accumulate_kernel(X, G, ACC, n, BLOCK: tl.constexpr):
-        """``ACC += X * G[0]`` in float32: a fused loss's float32 weight gradient, formed in the
-        forward, added into Megatron's main_grad once the backward knows the upstream gradient."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        g = tl.load(G)
-        acc = tl.load(ACC + offs, mask=mask, other=0.0)
-        tl.store(ACC + offs, acc + tl.load(X + offs, mask=mask, other=0.0) * g, mask=mask)
