@@ -25,12 +25,19 @@ from mcore_hooks._quiet import KNOWN_NOTES  # noqa: E402  (after the interpreter
 # CI replays the same property-test examples every run (a failure there is reproducible, never a
 # new random draw); local runs keep exploring. Reproduce a local failure with --hypothesis-seed.
 try:
-    from hypothesis import settings
+    import tempfile
 
-    settings.register_profile("ci", derandomize=True, print_blob=True)
-    # Local runs draw new examples; a failure prints the blob that replays it
-    # (@reproduce_failure), whatever the example database holds.
-    settings.register_profile("local", print_blob=True)
+    from hypothesis import settings
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    # its caches (the constants it draws from the code) in the temporary directory, not the clone
+    set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "mcore-hooks-hypothesis"))
+
+    # No example database: a run leaves no .hypothesis/ in the clone; a failure prints the blob
+    # that replays it (@reproduce_failure).
+    settings.register_profile("ci", derandomize=True, print_blob=True, database=None)
+    # Local runs draw new examples.
+    settings.register_profile("local", print_blob=True, database=None)
     settings.load_profile("ci" if os.environ.get("CI") else "local")
 except ImportError:  # pragma: no cover
     pass

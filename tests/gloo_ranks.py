@@ -45,6 +45,18 @@ def _worker(module: str, name: str, rank: int, world: int, port: int, results: A
             results.put((rank, "err", traceback.format_exc()))
 
 
+def _context():
+    """Fresh processes, forked from a fork server that imported torch once (each spawned rank
+    would import it again: seconds of CPU each); spawned where there is no fork server."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch.distributed"])
+    return ctx
+
+
 def run_gloo_ranks(fn: Callable[[int, int], Any], world: int, timeout: float = 240.0) -> list:
     """``fn(rank, world)`` on ``world`` spawned gloo ranks (``fn`` a module-level function; what it
     returns travels by pickle: lists and floats, not tensors, whose shared memory the rank
@@ -53,7 +65,7 @@ def run_gloo_ranks(fn: Callable[[int, int], Any], world: int, timeout: float = 2
     A rank that raises, or dies before reporting, fails the call. Once every rank has reported,
     how its process exits is not checked: gloo's teardown at interpreter exit sometimes aborts
     ("terminate called without an active exception", seen in CI) after the results are in."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(fn.__module__, fn.__name__, r, world, port, results),

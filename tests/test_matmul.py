@@ -8,6 +8,8 @@ import torch
 
 from mcore_hooks.kernels import matmul
 
+pytestmark = pytest.mark.release_independent
+
 
 def test_overload_detection_reads_the_registry():
     assert matmul._cuda_overload("aten::no_such_operator.dtype") is False

@@ -22,6 +22,8 @@ from mcore_hooks.testing import run_on_ranks
 from test_kernels import LargestTensor, rel
 from tolerances import U32, accumulator_bound, grad_bounds, logit_grad_reference, logprob_error, ratio
 
+pytestmark = pytest.mark.release_independent
+
 
 # --------------------------------------------------------------------------- the stock path
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
+import os
 import pickle
 import queue
 import socket
@@ -121,8 +122,14 @@ def _worker(
     timeout: float,
     payload: bytes,
     results: Any,
+    environ: Optional[dict] = None,
 ) -> None:
-    """Body of one spawned rank: puts (rank, 'ok', pickled result) or (rank, 'err', traceback)."""
+    """Body of one spawned rank: puts (rank, 'ok', pickled result) or (rank, 'err', traceback).
+    ``environ``: the caller's environment, as a spawned process would have it (a rank forked from
+    the fork server starts with the server's)."""
+    if environ is not None:
+        os.environ.clear()
+        os.environ.update(environ)
     reported = False
     try:
         with quiet_megatron():  # Megatron's notes about itself, per rank, say nothing here
@@ -189,21 +196,38 @@ def run_on_ranks(
     raise AssertionError("unreachable")
 
 
+def _rank_context():
+    """How ranks start: as spawned processes (a fresh interpreter each, so nothing of this
+    process's state leaks in), but forked from a fork server that imported torch and Megatron
+    Core once (:mod:`._rank_preload`), not each importing them anew. Spawned where the platform
+    has no fork server, or where CUDA is available (a process forked after CUDA's driver
+    started cannot use it: ranks may run on the GPU there)."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    if "forkserver" not in multiprocessing.get_all_start_methods() or torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([f"{__package__}._rank_preload"])
+    return ctx
+
+
 class _PortTaken(RuntimeError):
     """Rank 0 could not listen on the port chosen: the group never formed, ``fn`` never ran."""
 
 
 def _run_once(fn: Callable[..., Any], world_size: int, tp: int, cp: int, timeout: float,
               payload: bytes) -> list[Any]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     results = ctx.Queue()
     port = _free_port()
+    environ = dict(os.environ)
     procs = [
         ctx.Process(
             target=call_quietly,  # by name: the child imports Megatron Core only once quiet
-            args=(__name__, "_worker", rank, world_size, port, tp, cp, timeout, payload, results),
+            args=(__name__, "_worker", rank, world_size, port, tp, cp, timeout, payload, results,
+                  environ),
             daemon=True,
         )
         for rank in range(world_size)
