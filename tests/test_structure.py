@@ -122,3 +122,47 @@ def test_the_reader_sees_real_modules():
     assert {f"{PACKAGE}.compat", f"{PACKAGE}.hooked", f"{PACKAGE}.kernels.ops"} <= set(MODULES)
     assert f"{PACKAGE}.compat" in _internal(f"{PACKAGE}.mtp")
     assert "torch" in _external(f"{PACKAGE}.kernels.autograd")
+
+
+def test_release_independent_tests_touch_no_release_specific_code():
+    """Test modules marked ``release_independent`` (CI runs them on one Megatron Core family per
+    Python version, not on each) use the kernels alone: of this package only ``kernels`` and
+    ``testing.run_on_ranks``, of Megatron Core only ``parallel_state`` (for the ranks' groups),
+    and of the other test modules only such modules and the helpers that import nothing of
+    either."""
+    tests = pathlib.Path(__file__).parent
+    marked = {p.stem for p in tests.glob("test_*.py")
+              if "pytestmark = pytest.mark.release_independent" in p.read_text()}
+    assert {"test_kernels", "test_triton_backend", "test_edge_inputs"} <= marked
+    helpers = {"tolerances", "gloo_ranks"}
+    for stem in sorted(marked):
+        for node in ast.walk(ast.parse((tests / f"{stem}.py").read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod, names = node.module or "", {a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                mod, names = "", {a.name for a in node.names}
+            else:
+                continue
+            where = f"{stem}: from {mod} import {sorted(names)}"
+            for full in ([mod] if mod else sorted(names)):
+                top = full.split(".")[0]
+                if top == PACKAGE:
+                    assert (full == f"{PACKAGE}.kernels" or full.startswith(f"{PACKAGE}.kernels.")
+                            or (full == f"{PACKAGE}.testing" and names == {"run_on_ranks"})), where
+                elif top == "megatron":
+                    assert full == "megatron.core" and names == {"parallel_state"}, where
+                elif (tests / f"{top}.py").exists():
+                    assert top in marked or top in helpers, where
+
+
+def test_the_tests_leave_nothing_in_the_clone():
+    """Hypothesis keeps its example database off and its caches in the temporary directory
+    (tests/conftest.py): a run as the README says leaves no ``.hypothesis/`` in the clone."""
+    from hypothesis import settings
+    from hypothesis.configuration import storage_directory
+
+    clone = pathlib.Path(__file__).resolve().parent.parent
+    where = storage_directory()
+    where = pathlib.Path(getattr(where, "path", where))  # an object with .path on newer releases
+    assert clone not in where.resolve().parents
+    assert settings.default.database is None

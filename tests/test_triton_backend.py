@@ -766,7 +766,7 @@ def test_the_prologue_kernel_matches_the_torch_form(per_token):
     from mcore_hooks.kernels.debug import debug_checks
 
     with debug_checks(False):
-        want_coef = torch.where(bad, torch.nan, _coefficients(given, 1.5, n, torch.device("cpu")))
+        want_coef = torch.where(bad, torch.nan, _coefficients(given, 1.5, n, torch.device("cpu"), want_valid))
     assert torch.equal(valid.cpu(), want_valid)
     assert torch.equal(local.cpu(), local_labels(labels, want_valid, start, v_local))
     assert torch.equal(coef.cpu().isnan(), want_coef.isnan())

@@ -129,7 +129,9 @@ def linear_logprob_entropy(
             ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (each
             token's sums in one fixed shape, dX's too); the torch
             backend, and the BLAS products of either (wide id sets, the truncation's
-            statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU
+            statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU,
+            each cut into equal chunks (of the largest power of two at most half of
+            ``chunk_size``, in every pass)
             (the torch backend's weight gradients added into one float32 buffer in order);
             kept sets are padded to 16 columns; sums over more than 2 tensor-parallel ranks
             are added in rank order, in float32, after an all-to-all of their terms. ``False``
@@ -171,7 +173,9 @@ def linear_logprob_entropy(
             ids, bad = _id_matrix("kept_ids", kept_ids, p.n, v_total, hidden.device, p.valid)
             cand.check_kept_ids(ids, p.labels, p.valid, v_total)
             found, _ = cand.label_columns(ids, p.labels)
-            outside = p.valid & ~found & (ids >= 0).any(dim=1)  # NaN there (refused where checked)
+            outside = p.valid & ~found & (ids >= 0).any(dim=1)  # refused where checked
+            # unchecked: NaN there, its gradients too (NaN coefficients: never dropped silently)
+            bad = bad | outside
         p = _nan_where(p, bad)
         if ops.invariant(p.backend):
             ids = cand.aligned_columns(ids)
@@ -222,7 +226,7 @@ def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
         pad = cand.aligned_columns(ids).shape[1] - ids.shape[1]
         values = torch.cat([values, values.new_full((values.shape[0], pad), -math.inf)], dim=1)
         ids = torch.cat([ids, ids.new_full((ids.shape[0], pad), -1)], dim=1)
-    kept, overflow = cand.truncate(values, ids, opts, t.engine, m, log_s, v_total)
+    kept, overflow = cand.truncate(values, ids, opts, t.engine, m, log_s, v_total, p.labels)
     bad = (overflow | opts.bad) & p.valid
     if check_values(bad) and bool(bad.any()):
         i = int(bad.nonzero()[0])
@@ -320,7 +324,9 @@ def linear_cross_entropy(
             ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (each
             token's sums in one fixed shape, dX's too); the torch
             backend, and the BLAS products of either (wide id sets, the truncation's
-            statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU
+            statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU,
+            each cut into equal chunks (of the largest power of two at most half of
+            ``chunk_size``, in every pass)
             (the torch backend's weight gradients added into one float32 buffer in order);
             kept sets are padded to 16 columns; sums over more than 2 tensor-parallel ranks
             are added in rank order, in float32, after an all-to-all of their terms. ``False``
@@ -416,7 +422,9 @@ def linear_policy_loss(
             ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (each
             token's sums in one fixed shape, dX's too); the torch
             backend, and the BLAS products of either (wide id sets, the truncation's
-            statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU
+            statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU,
+            each cut into equal chunks (of the largest power of two at most half of
+            ``chunk_size``, in every pass)
             (the torch backend's weight gradients added into one float32 buffer in order);
             kept sets are padded to 16 columns; sums over more than 2 tensor-parallel ranks
             are added in rank order, in float32, after an all-to-all of their terms. ``False``
@@ -445,6 +453,23 @@ def linear_policy_loss(
     tensors = {k: _token_vector(f"inputs[{k!r}]", v, p.n, hidden.device) for k, v in (inputs or {}).items()}
     if kept_ids is not None or truncation is not None:
         fn.check_inputs(tensors)
+        counted = p.valid & (tw != 0)
+        if isinstance(kept_ids, torch.Tensor) and kept_ids.dim() == 2 and kept_ids.shape[0] == p.n:
+            # a counted token was sampled from something: not an empty row
+            kept_ids = kept_ids.to(hidden.device)
+            empty = counted & ~(kept_ids >= 0).any(dim=1)
+            if check_values(empty) and bool(empty.any()):
+                i = int(empty.nonzero()[0])
+                raise ValueError(
+                    f"kept_ids: token {i} counts in the loss (token_weight {float(tw[i]):g}) but its "
+                    f"kept set is empty (all -1): the mask is short or shifted against the labels "
+                    f"({int(empty.sum())} token(s))")
+            # unchecked: given one id other than its label, the token is a label outside its
+            # set, NaN with NaN gradients (an empty row has no logit a gradient could reach)
+            v_total = weight.shape[0] * group_rank_size(parallel.group)[1]
+            first = torch.arange(kept_ids.shape[1], device=hidden.device) == 0
+            other = ((p.labels + 1) % v_total).to(kept_ids.dtype).unsqueeze(1)
+            kept_ids = torch.where(empty.unsqueeze(1) & first, other, kept_ids)
         r = linear_logprob_entropy(
             hidden, weight, labels, temperature=temperature, logit_scale=logit_scale,
             ignore_index=ignore_index, parallel=parallel, chunk_size=chunk_size, backend=backend,
@@ -453,17 +478,6 @@ def linear_policy_loss(
             batch_invariant=batch_invariant)
         ent = r.entropy if fn.needs_entropy else None
         terms = fn.bind(tw, tensors, p.valid).terms(slice(0, p.n), r.logprob, ent)
-        counted = p.valid & (tw != 0)
-        if kept_ids is not None:  # a counted token was sampled from something: not an empty row
-            empty = counted & ~(kept_ids.to(hidden.device) >= 0).any(dim=1)
-            if check_values(empty) and bool(empty.any()):
-                i = int(empty.nonzero()[0])
-                raise ValueError(
-                    f"kept_ids: token {i} counts in the loss (token_weight {float(tw[i]):g}) but its "
-                    f"kept set is empty (all -1): the mask is short or shifted against the labels "
-                    f"({int(empty.sum())} token(s))")
-            terms = torch.where(empty, torch.nan, terms)
-            r = r._replace(logprob=torch.where(empty, torch.nan, r.logprob))
         total = torch.where(counted, terms, 0.0).sum()  # weight 0: no term, even NaN
         return PolicyLossResult(total, r.logprob.detach(),
                                 r.entropy.detach() if fn.needs_entropy else torch.zeros_like(r.logprob),

@@ -140,7 +140,7 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
     if labels is None:
         gl = torch.full((n,), -1, dtype=torch.long, device=dev)
         valid = torch.ones(n, dtype=torch.bool, device=dev)
-        coef = _coefficients(temperature, logit_scale, n, dev)
+        coef = _coefficients(temperature, logit_scale, n, dev, valid)
         local = gl
     else:
         if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
@@ -159,7 +159,7 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
                     f"labels: {int(bad.sum())} id(s) outside [0, {v_total}) and not ignore_index="
                     f"{ignore_index}, e.g. {int(gl[bad][0])}"
                 )
-            coef = _coefficients(temperature, logit_scale, n, dev)
+            coef = _coefficients(temperature, logit_scale, n, dev, valid)
             # unchecked (CUDA, debug checks off): such a token gives NaN, not a number
             coef = torch.where(bad, torch.nan, coef)
             local = local_labels(gl, valid, vocab_start, v_local)
@@ -352,15 +352,18 @@ def _scalar_temperature(temperature: Any) -> float:
 
 
 def _coefficients(temperature: Union[float, torch.Tensor], logit_scale: float, n: int,
-                  dev: torch.device) -> torch.Tensor:
+                  dev: torch.device, valid: torch.Tensor) -> torch.Tensor:
     """``logit_scale / temperature`` per token, float32 ``[N]``. A per-token temperature that is
-    not positive and finite raises where its values are checked, else gives NaN there."""
+    not positive and finite raises where its values are checked, else gives NaN there; on an
+    ignored token (not ``valid``) it is never read: 0 there, so the token adds exactly nothing
+    (no 0 * inf in the gradients)."""
     if isinstance(temperature, torch.Tensor):
         _coefficient_tensor_checks(temperature, n)
         t = temperature.detach().to(device=dev, dtype=torch.float32)
         ok = torch.isfinite(t) & (t > 0)
-        if check_values(t) and not bool(ok.all()):
-            raise ValueError("temperature: every value must be positive and finite")
-        return torch.where(ok, float(logit_scale) / t, torch.nan)
+        if check_values(t) and not bool((ok | ~valid).all()):
+            raise ValueError("temperature: every value must be positive and finite (on every "
+                             "token that is not ignore_index)")
+        return torch.where(ok, float(logit_scale) / t, torch.where(valid, torch.nan, 0.0))
     coef = float(logit_scale) / _scalar_temperature(temperature)
     return torch.full((n,), coef, dtype=torch.float32, device=dev)

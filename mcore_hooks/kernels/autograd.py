@@ -31,6 +31,8 @@ that scalar. The products are cuBLAS (:mod:`.matmul`) unless the backend has its
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import math
 import warnings
 import weakref
 from typing import NamedTuple, Optional, Protocol
@@ -142,6 +144,38 @@ def check_not_recomputed() -> None:
             + ", so its weight gradient would be added into the accumulator more than once; "
             "leave upstream_grad None there (the gradient is then added in the backward, once)"
         )
+
+
+_ADDING: contextvars.ContextVar = contextvars.ContextVar("mcore_hooks_adding", default=None)
+
+
+@contextlib.contextmanager
+def adding_into(accumulator: Optional[torch.Tensor]):
+    """The scope of a forward that adds into ``accumulator`` (a declared ``upstream_grad``):
+    yields a dict whose ``"added"`` the forward sets before its first addition. If the scope
+    ends in an exception after that, part of the gradient is in the accumulator and nothing
+    can take it back exactly (a + b - b is not a in floating point): it is set to NaN, with a
+    ``RuntimeWarning``, so no optimizer step takes a partial gradient; before any addition it is
+    left as it was. Nested scopes (blocks within a call) share the outermost one."""
+    outer = _ADDING.get()
+    if accumulator is None or outer is not None:
+        yield outer if outer is not None else {"added": False}
+        return
+    state = {"added": False}
+    token = _ADDING.set(state)
+    finished = False
+    try:
+        yield state
+        finished = True
+    finally:
+        _ADDING.reset(token)
+        if state["added"] and not finished:
+            accumulator.fill_(math.nan)
+            warnings.warn(
+                "upstream_grad: the forward failed after adding part of its weight gradient into "
+                "the accumulator (Megatron's main_grad); it is now NaN, so that no step takes a "
+                "partial gradient: zero it (e.g. model.zero_grad_buffer()) before running the "
+                "step again", RuntimeWarning, stacklevel=3)
 
 
 def term_grads(
@@ -324,30 +358,32 @@ class Backend:
         cz = c if 2 * n <= p.chunk_size else -(-c // 2)
         z = torch.empty((cz, v_local), **f32)
         dz = torch.empty((c, v_local), dtype=x.dtype, device=x.device) if need_grad else None
-        for start in range(0, n, c):
-            end = min(start + c, n)
-            for s0 in range(start, end, cz):
-                s1 = min(s0 + cz, end)
-                rows, zc = slice(s0, s1), z[: s1 - s0]
-                self.logits(x[rows], weight, zc)
-                self.row_loss(zc, p, rows, local_label[rows], token_loss,
-                              dz[s0 - start : s1 - start] if need_grad else None, loss[rows],
-                              logprob[rows], None if entropy is None else entropy[rows])
-            if not need_grad:
-                continue
-            xc, dzc = x[start:end], dz[: end - start]
-            if need_x:
-                self.hidden_grad(dzc, weight, dx[start:end])
-            if need_w and into is not None:
-                addmm_f32_(into, dzc.t(), xc, alpha=p.upstream_grad)
-            elif need_w and defer_weight_grad:
-                return FusedLoss(loss, logprob, entropy, dx, None, dz)
-            elif need_w:
-                if start == 0 and dw_sum is None:
-                    mm_f32(dzc.t(), xc, out=dw)
-                else:
-                    addmm_f32_(dw, dzc.t(), xc)
-        return FusedLoss(loss, logprob, entropy, dx, dw)
+        with adding_into(into if need_w else None) as adding:
+            for start in range(0, n, c):
+                end = min(start + c, n)
+                for s0 in range(start, end, cz):
+                    s1 = min(s0 + cz, end)
+                    rows, zc = slice(s0, s1), z[: s1 - s0]
+                    self.logits(x[rows], weight, zc)
+                    self.row_loss(zc, p, rows, local_label[rows], token_loss,
+                                  dz[s0 - start : s1 - start] if need_grad else None, loss[rows],
+                                  logprob[rows], None if entropy is None else entropy[rows])
+                if not need_grad:
+                    continue
+                xc, dzc = x[start:end], dz[: end - start]
+                if need_x:
+                    self.hidden_grad(dzc, weight, dx[start:end])
+                if need_w and into is not None:
+                    adding["added"] = True
+                    addmm_f32_(into, dzc.t(), xc, alpha=p.upstream_grad)
+                elif need_w and defer_weight_grad:
+                    return FusedLoss(loss, logprob, entropy, dx, None, dz)
+                elif need_w:
+                    if start == 0 and dw_sum is None:
+                        mm_f32(dzc.t(), xc, out=dw)
+                    else:
+                        addmm_f32_(dw, dzc.t(), xc)
+            return FusedLoss(loss, logprob, entropy, dx, dw)
 
 
 def rescaled(stats: LocalStats, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -412,10 +448,19 @@ def expect_backward(ctx) -> None:
 
 
 def backward_ran(ctx) -> None:
-    """Called by a watched backward (:func:`expect_backward`)."""
+    """Called by a watched backward (:func:`expect_backward`): a second one (``retain_graph=True``)
+    raises, before it gives anything: it would add dX again and nothing to the accumulator, half
+    a gradient."""
     ran = getattr(ctx, "backward_ran", None)
-    if ran is not None:
-        ran.append(True)
+    if ran is None:
+        return
+    if ran:
+        raise RuntimeError(
+            "upstream_grad: a second backward through a loss whose weight gradient went into the "
+            "accumulator in its forward (retain_graph=True) would add the hidden states' gradient "
+            "again and nothing to the weight's: half a gradient. Backpropagate such a loss once, "
+            "or leave upstream_grad None (the weight's gradient is then added in each backward)")
+    ran.append(True)
 
 
 def _warn_unreceived(ran: list) -> None:
@@ -433,21 +478,27 @@ def _warn_unreceived(ran: list) -> None:
 _WARN_LINE = _warn_unreceived.__code__.co_firstlineno
 
 
-def first_order(name: str, *grads: Optional[torch.Tensor]) -> tuple:
+def first_order(name: str, *grads: Optional[torch.Tensor], anchor: Optional[torch.Tensor] = None) -> tuple:
     """``grads`` as a backward returns them. Where they are being built with ``create_graph=True``
     (grad mode is on in the backward) each gets a node that raises if differentiated, as
     ``once_differentiable``'s do: gradients formed in the forward from float32 values that hold
     no graph would otherwise be taken as constants, and a double backward would silently drop
-    their derivative. (Compiled backwards refuse a double backward themselves.)"""
+    their derivative. ``anchor``: a saved output of the forward (the loss, a scalar), an input of
+    that node too, so the node lies on every path from the gradients back to the forward's
+    inputs: ``torch.autograd.grad(f(dX), x)`` reaches it and raises, rather than finding no
+    path and answering None (zero). (Compiled backwards refuse a double backward themselves.)"""
     if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return grads
     tensors = [g for g in grads if g is not None]
     if not tensors:
         return grads
+    inputs = [g.detach().requires_grad_() for g in tensors]
+    if anchor is not None and anchor.requires_grad:
+        inputs.append(anchor)
     err = torch._C._functions.DelayedError(
         f"{name}: its gradients are formed in the forward, so they cannot be differentiated again "
-        "(a double backward, create_graph=True, is not supported)", len(tensors))
-    out = err(*[g.detach().requires_grad_() for g in tensors])
+        "(a double backward, create_graph=True, is not supported)", len(inputs))
+    out = err(*inputs)
     it = iter(out if isinstance(out, tuple) else (out,))
     return tuple(None if g is None else next(it) for g in grads)
 

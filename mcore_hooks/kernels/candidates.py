@@ -298,7 +298,8 @@ class Truncation:
     ``<= 1 - top_p`` (``1 - top_p`` in float32), always keeping the most likely token.
 
     ``engine="sglang"``: on the full-vocabulary probabilities sorted descending (ties by
-    ascending id: SGLang's own sort order is unspecified), top-k keeps exactly ``k`` by rank;
+    ascending id, the label ahead of its ties: SGLang's own sort order is unspecified, and it
+    sampled the label, so the label was in its set), top-k keeps exactly ``k`` by rank;
     top-p, on those unrenormalised probabilities, drops a token whose float32 cumulative mass
     before it exceeds ``top_p``; min-p last drops ``p < min_p * p_max``; a token whose
     probability is 0 in float32 is not kept.
@@ -325,9 +326,10 @@ class Truncation:
         top_p: the nucleus mass, in ``(0, 1]`` (1: off).
         min_p: the minimum probability relative to the most likely token, in ``[0, 1]`` (0: off).
         engine: ``"vllm"`` or ``"sglang"``: whose rule.
-        ties: with ``engine="vllm"``, room for logits tied with the ``k``-th beyond ``k`` (its
-            rule keeps them all; bf16-rounded logits tie often; at least 1 is gathered, so a
-            tie past the set is seen). A token whose ties do not fit is refused where values
+        ties: room gathered for logits tied with the ``k``-th beyond ``k``: with
+            ``engine="vllm"`` its rule keeps them all (bf16-rounded logits tie often; at least 1
+            is gathered, so a tie past the set is seen); with ``engine="sglang"``, where the
+            label ties with the ``k``-th among them it is kept in place of one. A token whose ties do not fit is refused where values
             are checked, else gives NaN.
         max_top_k: the largest effective ``top_k`` when ``top_k`` is a device tensor (the
             vocabulary's size where some token has none).
@@ -371,9 +373,10 @@ class Truncation:
         else:
             ks = [int(self.top_k)] if isinstance(self.top_k, int) else _int_list(self.top_k)
             k = max(v_total if kk <= 0 or kk > v_total else kk for kk in ks) if ks else 1
-        # SGLang's rule keeps exactly k; vLLM's keeps ties, seen past the set by one more
-        # candidate at least (a k-th value equal to the last gathered one may tie beyond)
-        ties = max(1, self.ties) if self.engine == "vllm" else 0
+        # vLLM's rule keeps ties, seen past the set by one more candidate at least (a k-th
+        # value equal to the last gathered one may tie beyond); SGLang's keeps exactly k, the
+        # room for the label's ties (see truncate)
+        ties = max(1, self.ties) if self.engine == "vllm" else self.ties
         return max(1, min(v_total, k + ties))
 
     def _per_token(self, n: int, device: torch.device, v_total: int) -> "TokenTruncation":
@@ -449,23 +452,31 @@ def _check_unit(name: str, v, lo_open: bool) -> None:
         raise ValueError(f"{name}: expected a float in {interval}, got {v!r}")
 
 
-def _descending(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _descending(values: torch.Tensor, ids: torch.Tensor,
+                first: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidates by value descending, ties by ascending id (one order, whatever order the
-    search returned them in)."""
-    by_id = ids.masked_fill(ids < 0, torch.iinfo(torch.long).max).argsort(dim=1, stable=True)
+    search returned them in); ``first`` (``[N]`` ids, or None): that id ahead of its ties."""
+    key = ids.masked_fill(ids < 0, torch.iinfo(torch.long).max)
+    if first is not None:
+        key = key.masked_fill(ids == first.unsqueeze(1), -1)
+    by_id = key.argsort(dim=1, stable=True)
     values, ids = values.gather(1, by_id), ids.gather(1, by_id)
     order = values.argsort(dim=1, descending=True, stable=True)
     return values.gather(1, order), ids.gather(1, order)
 
 
 def truncate(values: torch.Tensor, ids: torch.Tensor, t: TokenTruncation, engine: str,
-             m: torch.Tensor, log_s: torch.Tensor, v_total: int) -> tuple[torch.Tensor, torch.Tensor]:
+             m: torch.Tensor, log_s: torch.Tensor, v_total: int,
+             labels: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kept ids [N, Kc] with -1 where dropped, overflow [N])`` of each token's ``Kc`` largest
     float32 scaled logits ``values`` (any order) and their global ``ids``, by ``engine``'s rule
     (:class:`Truncation`). ``m`` and ``log_s``: the full vocabulary's statistics (SGLang's rule
     works on full-vocabulary probabilities). ``overflow``: vLLM's top-k keeps ties of the
-    ``k``-th value that did not fit in ``Kc``."""
-    vals, ids = _descending(values.float(), ids)
+    ``k``-th value that did not fit in ``Kc``. ``labels`` (SGLang's rule, whose top-k keeps
+    exactly ``k`` by rank): each token's label goes ahead of the logits tied with it, so a label
+    tied with the ``k``-th kept value is kept in place of one of them (the engine sampled it, so
+    it was in its set; the set's mass is the same), not added as a ``k + 1``-th."""
+    vals, ids = _descending(values.float(), ids, labels if engine == "sglang" else None)
     n, kc = vals.shape
     neg = -math.inf  # a Python scalar: no host-to-device copy
     col = torch.arange(kc, device=vals.device).unsqueeze(0)

@@ -12,7 +12,7 @@ from . import autograd as ag
 from . import comm
 from . import candidates as cand
 from .dispatch import call, custom_op, register_autograd
-from .invariant import block_rows, blocks, padded
+from .invariant import block_rows, blocks, padded, tiling_chunk
 from .ops import _F32, _backend, _fake_group_size, _group, _nothing, group_name, invariant
 from .options import KernelParams
 from .torch_chunked import TorchChunked
@@ -130,8 +130,8 @@ def top_k_ids(
         b = block_rows(x.device)
         parts = [TorchChunked.local_stats_top_k(padded(x[s:e], b, 0), weight,
                                                 padded(coef[s:e], b, 1.0),
-                                                padded(none[s:e], b, -1), chunk_size, top_k,
-                                                aligned=True)
+                                                padded(none[s:e], b, -1), tiling_chunk(chunk_size, b),
+                                                top_k, aligned=True)
                  for s, e in blocks(n, b)]
         real = [e - s for s, e in blocks(n, b)]  # each block's rows before its padding
         local = ag.LocalStats(*[torch.cat([st[i][:r] for (st, _), r in zip(parts, real)]) for i in range(4)])

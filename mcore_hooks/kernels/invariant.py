@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from .autograd import Backend, FusedLoss, LocalStats
+from .autograd import Backend, FusedLoss, LocalStats, adding_into
 
 # Tokens per block on a GPU: one block's GEMMs run near peak (an H100/H200).
 BLOCK = 2048
@@ -48,6 +48,18 @@ def block_rows(device: torch.device) -> int:
     """Tokens per fixed-shape block on ``device`` (a constant of the device type: never of the
     call)."""
     return BLOCK if device.type == "cuda" else CPU_BLOCK
+
+
+def tiling_chunk(chunk_size: int, block: int) -> int:
+    """The rows of every logits product on a block: the largest power of two at most half of
+    ``chunk_size`` (at least 1, at most the block, which it divides). Every chunk of every block
+    then has one shape, in every pass: the statistics and the backward take chunks of it, the
+    fused loss chunks of twice it, whose logits it forms in halves (``Backend.fused_loss``).
+    Products of other row counts (a short last chunk's 1-3 rows) round differently on some CPU
+    BLAS: a token's bits would follow its place in the call, or the pass (the no-grad forward of
+    a checkpointed region against its recomputation)."""
+    c = min(max(1, chunk_size // 2), block)
+    return 1 << (c.bit_length() - 1)
 
 
 def padded(t: torch.Tensor, rows: int, fill) -> torch.Tensor:
@@ -90,7 +102,7 @@ class InvariantBlocks(Backend):
         b, parts = self.block, []
         for s, e in blocks(x.shape[0], b):
             st = self.inner.local_stats(padded(x[s:e], b, 0), weight, padded(coef[s:e], b, 1.0),
-                                        padded(local_label[s:e], b, -1), chunk_size)
+                                        padded(local_label[s:e], b, -1), tiling_chunk(chunk_size, b))
             parts.append([t[: e - s] for t in st])
         return LocalStats(*(torch.cat(ts) for ts in zip(*parts)))
 
@@ -113,8 +125,9 @@ class InvariantBlocks(Backend):
             ext = None if extra is None else tuple(
                 padded(t[s:e], b, fill) for t, fill in zip(extra, (-1, 0.0, 0.0)))
             dxb, _ = self.inner.grads(padded(x[s:e], b, 0), weight, padded(coef[s:e], b, 1.0),
-                                      padded(local_label[s:e], b, -1), *pad, chunk_size, need_x,
-                                      need_w, acc if need_w else None, ext)
+                                      padded(local_label[s:e], b, -1), *pad,
+                                      tiling_chunk(chunk_size, b), need_x, need_w,
+                                      acc if need_w else None, ext)
             if need_x:
                 dx[s:e] = dxb[: e - s]
         if not need_w or dw_accumulator is not None:
@@ -132,14 +145,17 @@ class InvariantBlocks(Backend):
             total = dw_sum if dw_sum is not None else torch.zeros(weight.shape, dtype=torch.float32,
                                                                   device=x.device)
         outs = []
-        for s, e in blocks(n, b):
-            q = dataclasses.replace(p, labels=padded(p.labels[s:e], b, -1),
-                                    valid=padded(p.valid[s:e], b, False), coef=padded(p.coef[s:e], b, 1.0))
-            r = self.inner.fused_loss(padded(x[s:e], b, 0), weight, q, padded(local_label[s:e], b, -1),
-                                      _BlockLoss(token_loss, s, e), need_x, need_w, dw_sum=total)
-            outs.append((r.loss[: e - s], r.logprob[: e - s],
-                         None if r.entropy is None else r.entropy[: e - s],
-                         None if r.dx is None else r.dx[: e - s]))
+        # one scope for the blocks: a block that fails after others added spoils the accumulator
+        with adding_into(p.weight_grad_accumulator if into and need_w else None):
+            for s, e in blocks(n, b):
+                q = dataclasses.replace(p, labels=padded(p.labels[s:e], b, -1),
+                                        valid=padded(p.valid[s:e], b, False), coef=padded(p.coef[s:e], b, 1.0),
+                                        chunk_size=2 * tiling_chunk(p.chunk_size, b))
+                r = self.inner.fused_loss(padded(x[s:e], b, 0), weight, q, padded(local_label[s:e], b, -1),
+                                          _BlockLoss(token_loss, s, e), need_x, need_w, dw_sum=total)
+                outs.append((r.loss[: e - s], r.logprob[: e - s],
+                             None if r.entropy is None else r.entropy[: e - s],
+                             None if r.dx is None else r.dx[: e - s]))
         loss, logprob, entropy, dx = (None if any(o[i] is None for o in outs) else torch.cat([o[i] for o in outs])
                                       for i in range(4))
         return FusedLoss(loss, logprob, entropy, dx, total)

@@ -188,13 +188,14 @@ def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel
 
 def _fused_setup(ctx, inputs, output):
     hidden, _, _, _, _, _, group, sp, _, backend = inputs[:10]
-    _, logprob, entropy, dx32, dw32 = output
+    loss, logprob, entropy, dx32, dw32 = output
     # the loss alone carries a gradient: the per-token values are detached by contract, the
     # float32 gradients are for the backward (no zeros made for their gradients)
     ctx.mark_non_differentiable(logprob, entropy, dx32, dw32)
     ctx.set_materialize_grads(False)
     deferred = dw32.numel() and dw32.dtype != _F32  # the logit gradient: dW formed from it
-    ctx.save_for_backward(dx32, dw32, hidden if deferred else None)
+    # the loss (a scalar): first_order's anchor
+    ctx.save_for_backward(dx32, dw32, hidden if deferred else None, loss)
     # not saved: written between this forward and its backward by design (see _stats_setup)
     ctx.accumulator, ctx.placeholder = inputs[15], inputs[16]
     ctx.weight_shape = inputs[1].shape
@@ -257,7 +258,7 @@ def _(accumulator, dw, x, grad):
 
 
 def _fused_backward(ctx, grad, *_):
-    dx32, dw32, x = ctx.saved_tensors
+    dx32, dw32, x, loss = ctx.saved_tensors
     if grad is None:
         grad = torch.zeros((), dtype=_F32, device=dx32.device)
     dw = None
@@ -267,7 +268,7 @@ def _fused_backward(ctx, grad, *_):
             dw = ag.placeholder_grad_like(ctx.weight_shape, ctx.dtype, dw32.device)
     elif ctx.needs_input_grad[1] and dw32.numel():
         dw = _scaled(dw32, grad, ctx.dtype) if x is None else _weight_grad(dw32, x, grad)
-    dx, dw = ag.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw)
+    dx, dw = ag.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw, anchor=loss)
     # one entry per input, a list for the list of tensors
     return (dx, dw) + (None,) * 10 + ([None] * ctx.num_inputs, None, None, None, None, None)
 
@@ -305,7 +306,7 @@ class _FusedIntoAccumulator(torch.autograd.Function):
         loss, logprob, entropy, dx32, _ = call(fused_token_loss_into_, hidden, weight, *args)
         if args[-1]:  # need_w: the weight's gradient went into the accumulator
             ag.expect_backward(ctx)
-        ctx.save_for_backward(dx32)
+        ctx.save_for_backward(dx32, loss)  # the loss: first_order's anchor
         ctx.group, ctx.sp, ctx.upstream_grad, ctx.placeholder = args[4], args[5], args[9], placeholder
         ctx.ordered = invariant(args[7])
         ctx.hidden_shape, ctx.dtype = hidden.shape, hidden.dtype
@@ -316,13 +317,13 @@ class _FusedIntoAccumulator(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad, *_):
         ag.backward_ran(ctx)
-        (dx32,) = ctx.saved_tensors
+        dx32, loss = ctx.saved_tensors
         dw = None
         if ctx.needs_input_grad[1]:
             ag.check_upstream_grad(grad, ctx.upstream_grad)
             if ctx.placeholder:
                 dw = ag.placeholder_grad_like(ctx.weight_shape, ctx.dtype, grad.device)
-        return ag.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw) + (None, None)
+        return ag.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw, anchor=loss) + (None, None)
 
 
 def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Tensor,
@@ -359,17 +360,18 @@ class LinearFusedLoss(torch.autograd.Function):
                                                           need_x, need_w)
         if need_w and p.upstream_grad is not None and p.weight_grad_accumulator is not None:
             ag.expect_backward(ctx)
-        ctx.save_for_backward(r.dx, r.dw)
+        total = r.loss.sum()
+        ctx.save_for_backward(r.dx, r.dw, total)  # the loss: first_order's anchor
         ctx.params, ctx.hidden_shape, ctx.dtype = p, hidden.shape, x.dtype
         ctx.weight_shape = weight.shape
         entropy = r.entropy if r.entropy is not None else torch.zeros_like(r.logprob)
         ctx.mark_non_differentiable(r.logprob, entropy)
-        return r.loss.sum(), r.logprob, entropy
+        return total, r.logprob, entropy
 
     @staticmethod
     def backward(ctx, grad, _d_logprob, _d_entropy):
         ag.backward_ran(ctx)
-        dx32, dw32 = ctx.saved_tensors
+        dx32, dw32, total = ctx.saved_tensors
         p: KernelParams = ctx.params
         dx = dw = None
         if dx32 is not None:
@@ -382,4 +384,4 @@ class LinearFusedLoss(torch.autograd.Function):
             ag.check_upstream_grad(grad, p.upstream_grad)
             if p.dummy_weight_grad:
                 dw = ag.placeholder_grad_like(ctx.weight_shape, ctx.dtype, grad.device)
-        return ag.first_order(_FUSED_NAME, dx, dw) + (None, None, None, None)
+        return ag.first_order(_FUSED_NAME, dx, dw, anchor=total) + (None, None, None, None)

@@ -31,9 +31,10 @@ def _aligned_logits(x, weight, coef, start, end):
     v = weight.shape[0]
     vp = -(-v // _ALIGN) * _ALIGN
     z = torch.empty((end - start, vp), dtype=torch.float32, device=x.device)
-    z[:, v:] = _PAD
     mm_f32(x[start:end], weight.t(), out=z[:, :v])
-    return z.mul_(coef[start:end].unsqueeze(1))
+    z[:, :v].mul_(coef[start:end].unsqueeze(1))
+    z[:, v:] = _PAD  # after the scaling: a large 1 / temperature would take it to -inf (0 * -inf)
+    return z
 
 
 def aligned_rows(t: torch.Tensor, fill: float) -> torch.Tensor:

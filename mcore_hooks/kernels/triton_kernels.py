@@ -382,7 +382,8 @@ if triton is not None:
         """The entry points' per-token inputs in the kernels' form, in one launch (the torch
         form in ``arguments._prepare`` takes a dozen): whether a label counts, the logits'
         coefficient ``scale / temperature`` (NaN for a label outside the vocabulary or a
-        temperature not positive and finite: bad input never gives a plausible number), and
+        temperature not positive and finite: bad input never gives a plausible number; 0 for
+        an ignored token's bad temperature, never read), and
         the label as a row of this rank's shard (-1 where not owned or not counted)."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
@@ -393,7 +394,9 @@ if triton is not None:
             t = tl.load(TEMP + offs, mask=mask, other=1.0)
             # torch's scale / t for a Python scale: reciprocal(t) * scale (two roundings)
             one = tl.full([BLOCK], 1.0, dtype=tl.float32)
-            c = tl.where((t > 0) & (t < float("inf")), tl.math.div_rn(one, t) * scale, float("nan"))
+            # an ignored token's temperature is never read: 0, it adds exactly nothing
+            c = tl.where((t > 0) & (t < float("inf")), tl.math.div_rn(one, t) * scale,
+                         tl.where(valid, float("nan"), 0.0))
         else:
             c = coef_scalar + tl.zeros([BLOCK], dtype=tl.float32)
         local = y - vocab_start

@@ -1,0 +1,257 @@
+"""Inputs at the edges, on the kernels' entry points (the third line review's findings): extreme
+temperatures, ignored tokens with bad options, a declared loss's graph used twice or
+differentiated again, a forward that fails halfway, ties at a truncation's edge."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mcore_hooks.kernels import (PolicyLoss, Truncation, linear_cross_entropy, linear_logprob_entropy,
+                                 linear_policy_loss)
+from mcore_hooks.kernels.debug import debug_checks
+
+pytestmark = pytest.mark.release_independent
+
+
+def _data(n=24, h=16, v=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, h, generator=g), torch.randn(v, h, generator=g),
+            torch.randint(0, v, (n,), generator=g))
+
+
+def _kept(labels, v):
+    return torch.stack([labels, (labels + 1) % v, (labels + 7) % v], dim=1)
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["batch-invariant", "opted-out"])
+@pytest.mark.parametrize("kind", ["vocabulary", "truncation", "kept_ids"])
+def test_a_tiny_temperature_gives_finite_results_and_gradients(kind, invariant):
+    """At temperature 2e-9 the scaled logits pass 3.4e8: the -1e30 that pads batch-invariant
+    rows to 16 columns, set before the scaling, overflowed to -inf there and 0 * -inf made the
+    entropy and both gradients NaN. The padding now comes after the scaling: everything is
+    finite, and a one-hot distribution's entropy is 0."""
+    x0, w0, y = _data()
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    extra = {"vocabulary": {}, "truncation": {"truncation": Truncation(top_k=5)},
+             "kept_ids": {"kept_ids": _kept(y, w0.shape[0])}}[kind]
+    r = linear_logprob_entropy(x, w, y, temperature=2e-9, batch_invariant=invariant, **extra)
+    (r.logprob.sum() + r.entropy.sum()).backward()
+    for name, t in (("logprob", r.logprob), ("entropy", r.entropy), ("dX", x.grad), ("dW", w.grad)):
+        assert torch.isfinite(t).all(), name
+    assert torch.equal(r.entropy, torch.zeros_like(r.entropy))  # exp underflows: one-hot rows
+
+
+def _entry(name, x, w, y, t, invariant):
+    if name == "linear_logprob_entropy":
+        r = linear_logprob_entropy(x, w, y, temperature=t, batch_invariant=invariant)
+        return r.logprob.sum() + r.entropy.sum(), r.logprob
+    if name == "linear_cross_entropy":
+        loss = linear_cross_entropy(x, w, y, temperature=t, batch_invariant=invariant)
+        return loss, loss.reshape(1)
+    n = y.shape[0]
+    r = linear_policy_loss(x, w, y, temperature=t, batch_invariant=invariant, token_weight=torch.ones(n),
+                           loss=PolicyLoss(entropy_coef=0.01),
+                           inputs={"advantages": torch.linspace(-1, 1, n), "old_logprobs": -torch.ones(n)})
+    return r.loss, r.logprob
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["batch-invariant", "opted-out"])
+@pytest.mark.parametrize("entry", ["linear_logprob_entropy", "linear_cross_entropy", "linear_policy_loss"])
+@pytest.mark.parametrize("bad", [0.0, math.nan, -1.0, math.inf])
+def test_an_ignored_tokens_temperature_is_never_read(bad, entry, invariant):
+    """A sample whose labels are all ``ignore_index`` (padding) with a per-token temperature of
+    0, NaN, -1 or inf: unchecked (debug checks off, as on CUDA) its 0 * inf made every row of
+    dW NaN. An ignored token adds exactly nothing: results and gradients are the bits of the
+    same call with temperature 1 there; checked (the CPU's default), it is not refused."""
+    x0, w0, y = _data()
+    y[12:] = -100
+    t_good = torch.linspace(0.5, 1.5, y.shape[0])
+    t_bad = t_good.clone()
+    t_bad[12:] = bad
+    outs = []
+    for t, checks in ((t_good, None), (t_bad, False), (t_bad, None)):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with debug_checks(checks):
+            total, values = _entry(entry, x, w, y, t, invariant)
+        total.backward()
+        outs.append((values.detach(), x.grad, w.grad))
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("wrt", ["x", "w"])
+@pytest.mark.parametrize("case", ["cross-entropy", "policy-loss-op", "per-token-loss", "declared-upstream-grad"])
+def test_differentiating_a_fused_gradient_again_raises_through_autograd_grad(case, wrt):
+    """The fused losses' gradients are formed in the forward and hold no graph: a gradient
+    penalty taken with ``torch.autograd.grad(penalty, x)`` found no path back to ``x`` and
+    answered None (with ``allow_unused``: a Hessian-vector product read as zero). The node that
+    raises is now on that path, as ``.backward()`` already found it."""
+    from test_kernels import _double_backward_cases
+
+    n, h, v, cases = _double_backward_cases()
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(n, h, generator=g).requires_grad_()
+    w = torch.randn(v, h, generator=g).requires_grad_()
+    if case == "declared-upstream-grad" and wrt == "w":
+        pytest.skip("the weight's gradient went into the accumulator: none to differentiate")
+    loss = cases[case](x, w)
+    target = {"x": x, "w": w}[wrt]
+    grad, = torch.autograd.grad(loss, target, create_graph=True)
+    penalty = grad.square().sum()
+    with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+        torch.autograd.grad(penalty, x, allow_unused=True, retain_graph=True)
+    with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+        torch.autograd.grad(penalty, w, allow_unused=True)
+
+
+def _declared(x, w, y, acc, chunk_size=None, invariant=True, loss=None):
+    n = y.shape[0]
+    return linear_policy_loss(x, w, y, token_weight=torch.full((n,), 1.0 / n), chunk_size=chunk_size,
+                              inputs={"advantages": torch.linspace(-1, 1, n)}, batch_invariant=invariant,
+                              loss=loss or (lambda lp, ent, advantages: -advantages * lp),
+                              weight_grad_accumulator=acc, upstream_grad=1.0, backend="torch").loss
+
+
+def test_a_second_backward_of_a_declared_loss_raises():
+    """With ``upstream_grad`` declared the weight's gradient went into the accumulator in the
+    forward; a second backward (``retain_graph=True``) added dX again and nothing to dW, half
+    a gradient, in silence. It raises now, before giving anything; the first is whole."""
+    x0, w0, y = _data()
+    acc = torch.zeros_like(w0)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    loss = _declared(x, w, y, acc)
+    loss.backward(retain_graph=True)
+    dx, dw = x.grad.clone(), acc.clone()
+    ref = torch.zeros_like(w0)
+    xr, wr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    _declared(xr, wr, y, ref).backward()
+    assert torch.equal(dx, xr.grad) and torch.equal(dw, ref)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+    assert torch.equal(x.grad, dx) and torch.equal(acc, dw)
+
+
+class _FailsOnCall:
+    """A per-token loss that raises on its ``k``-th call (one call per token chunk)."""
+
+    def __init__(self, k):
+        self.k, self.calls = k, 0
+
+    def __call__(self, lp, ent, advantages):
+        self.calls += 1
+        if self.calls == self.k:
+            raise MemoryError("simulated: out of memory in chunk %d" % self.k)
+        return -advantages * lp
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["batch-invariant", "opted-out"])
+def test_a_declared_forward_that_fails_halfway_leaves_no_partial_gradient(invariant):
+    """A declared forward adds into ``main_grad`` chunk by chunk; failing on the 4th chunk left
+    the first three added, silently, and a trainer that retries ends with a wrong gradient. Now
+    the accumulator is set to NaN (nothing takes a partial sum back exactly) with a warning;
+    failing before the first addition leaves it as it was, bit for bit."""
+    x0, w0, y = _data()
+    before = torch.randn(w0.shape, generator=torch.Generator().manual_seed(3))
+    acc = before.clone()
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    with pytest.warns(RuntimeWarning, match="now NaN"), pytest.raises(MemoryError, match="chunk 4"):
+        _declared(x, w, y, acc, chunk_size=4, invariant=invariant, loss=_FailsOnCall(4))
+    assert torch.isnan(acc).all()
+    acc = before.clone()
+    with pytest.raises(MemoryError, match="chunk 1"):
+        _declared(x, w, y, acc, chunk_size=4, invariant=invariant, loss=_FailsOnCall(1))
+    assert torch.equal(acc, before)
+
+
+def test_sglang_keeps_a_label_tied_with_the_kth_value_in_place_of_a_tie():
+    """SGLang's top-k keeps exactly ``k`` by rank; among logits tied at the ``k``-th its sort is
+    unspecified. The engine sampled the label, so it was in its set: a label tied with the
+    ``k``-th value (here three vocabulary rows equal, the label the highest id of them) is
+    kept in place of a tie, ``k`` tokens, the same mass, its log-prob that of the set SGLang
+    had, not added as a ``k + 1``-th (``label_outside`` False)."""
+    g = torch.Generator().manual_seed(5)
+    n, h, v, k = 8, 16, 40, 4
+    w = torch.randn(v, h, generator=g)
+    x = torch.randn(n, h, generator=g)
+    logits = x @ w.t()
+    for i in range(n):  # per token: its k-th to (k+2)-th logits made equal (equal weight rows)
+        tied = logits[i].argsort(descending=True)[k - 1 : k + 2]
+        label = int(tied.max())  # the highest id: last among the ties by id
+        wi = w.clone()
+        wi[tied] = w[tied[0]]
+        r = linear_logprob_entropy(x[i : i + 1], wi, torch.tensor([label]),
+                                   truncation=Truncation(top_k=k, engine="sglang"))
+        li = (x[i : i + 1] @ wi.t())[0]
+        top = li.argsort(descending=True)[: k - 1]
+        top = top[li[top] > li[label]]  # strictly above the tie
+        kept = torch.cat([top, torch.tensor([label])])
+        want = torch.log_softmax(li[kept].double(), 0)[-1]
+        assert not bool(r.label_outside[0])
+        # float32 logits of size O(10) through a 4-term log-softmax: a few ulps of 10, ~1e-6
+        assert abs(float(r.logprob[0]) - float(want)) <= 1e-5 * (1 + abs(float(want)))
+
+
+@pytest.mark.parametrize("invariant", [True, False], ids=["batch-invariant", "opted-out"])
+@pytest.mark.parametrize("fault", ["label-outside-its-row", "counted-empty-row"])
+def test_unchecked_bad_kept_input_gives_nan_gradients_too(fault, invariant):
+    """Replayed kept sets, debug checks off (as on CUDA): a label outside its row, or a counted
+    token whose row is empty, gave a NaN loss but finite, plausible gradients (the token silently
+    dropped from them), where an id outside the vocabulary gives NaN gradients. Now the
+    token's gradients are NaN too: its row of dX, and dW; the other rows of dX are untouched.
+    Checked (the CPU's default), both are refused, naming the token."""
+    x0, w0, y = _data()
+    n, v = y.shape[0], w0.shape[0]
+    ids = _kept(y, v)
+    if fault == "label-outside-its-row":
+        ids[5] = torch.tensor([(int(y[5]) + 2) % v, (int(y[5]) + 3) % v, -1])
+    else:
+        ids[5] = -1
+    kw = dict(token_weight=torch.ones(n), inputs={"advantages": torch.linspace(-1, 1, n)},
+              loss=lambda lp, ent, advantages: -advantages * lp, kept_ids=ids, batch_invariant=invariant)
+    with pytest.raises(ValueError, match="token 5"):
+        linear_policy_loss(x0, w0, y, **kw)
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    with debug_checks(False):
+        loss = linear_policy_loss(x, w, y, **kw).loss
+    loss.backward()
+    assert torch.isnan(loss)
+    assert torch.isnan(x.grad[5]).all() and torch.isnan(w.grad).any()
+    assert torch.isfinite(torch.cat([x.grad[:5], x.grad[6:]])).all()
+
+
+@pytest.mark.parametrize("entry", ["linear_logprob_entropy", "linear_cross_entropy"])
+@pytest.mark.parametrize("chunk_size", [21, 31, 100])
+def test_a_chunk_size_that_does_not_divide_the_block_keeps_a_tokens_bits(chunk_size, entry):
+    """Batch invariance for a given ``chunk_size`` (the torch backend's fixed-shape blocks, 64
+    tokens on the CPU): a chunk that does not divide the block left a short last chunk, whose
+    1-3-row products some CPU BLAS rounds differently, so a token's log-prob and dX row followed
+    its place in the call. Every pass now cuts the block into equal chunks (a power of two, at
+    most half of ``chunk_size``): a probe token's results are the same bits at every place."""
+    g = torch.Generator().manual_seed(9)
+    n, h, v = 70, 24, 56
+    x0, w0 = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    y0 = torch.randint(0, v, (n,), generator=g)
+    seen = []
+    for place in (0, 15, 31, 47, 63, 69):  # block edges and the short-chunk rows
+        order = torch.arange(n)
+        order[0], order[place] = place, 0  # the probe (token 0) moved to `place`
+        x = x0[order].clone().requires_grad_()
+        w = w0.clone().requires_grad_()
+        if entry == "linear_logprob_entropy":
+            r = linear_logprob_entropy(x, w, y0[order], chunk_size=chunk_size, backend="torch")
+            (r.logprob.sum() + r.entropy.sum()).backward()
+            value = torch.stack([r.logprob[place], r.entropy[place]])
+        else:
+            tw = torch.zeros(n)
+            tw[place] = 1.0  # the probe's loss alone, so its value is its own
+            # a per-token weight picks the probe: its loss and its dX row
+            value = linear_cross_entropy(x, w, y0[order], chunk_size=chunk_size, backend="torch",
+                                         token_weight=tw).reshape(1)
+            value.sum().backward()
+        seen.append((value.detach(), x.grad[place].clone()))
+    for value, row in seen[1:]:
+        assert torch.equal(value, seen[0][0]) and torch.equal(row, seen[0][1])
