@@ -47,13 +47,15 @@ def _worker(module: str, name: str, rank: int, world: int, port: int, results: A
 
 def _context():
     """Fresh processes, forked from a fork server that imported torch once (each spawned rank
-    would import it again: seconds of CPU each); spawned where there is no fork server."""
+    would import it again: seconds of CPU each); spawned where there is no fork server. The
+    server is one per process: it preloads what run_on_ranks' ranks need too (Megatron Core
+    where it is installed; where not, torch alone), whichever of the two starts it."""
     import multiprocessing
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch.distributed"])
+    ctx.set_forkserver_preload(["mcore_hooks.testing._rank_preload"])
     return ctx
 
 
