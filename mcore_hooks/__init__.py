@@ -46,31 +46,61 @@ postprocess, mtp and schedule_plan together):
 6. ``verify``, ``cli``, ``testing`` — tools on top of the rest.
 """
 
-from typing import Any
-
-from .debug import debug_checks, set_debug_checks
-from . import hooked
-from .hooked import enable_output_processor, hooked_class, supports_output_processor
-from .postprocess import (
-    OUTPUT_PROCESSOR_KEYWORDS,
-    DefaultProcessor,
-    PostprocessContext,
-    PostprocessProcessor,
-    check_output_processor,
-)
-from .kernels import Truncation
-from .processors import (
-    EntropyProcessor,
-    FusedLogprobProcessor,
-    LinearCEProcessor,
-    LogprobEntropyProcessor,
-    PolicyLossProcessor,
-    SelectedLogprobProcessor,
-    TopKDistillationProcessor,
-    megatron_upstream_grad,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # the lazy names below, for type checkers and the API reference's reader
+    from .debug import debug_checks, set_debug_checks
+    from .hooked import enable_output_processor, hooked_class, supports_output_processor
+    from .kernels import Truncation
+    from .postprocess import (
+        OUTPUT_PROCESSOR_KEYWORDS,
+        DefaultProcessor,
+        PostprocessContext,
+        PostprocessProcessor,
+        check_output_processor,
+    )
+    from .processors import (
+        EntropyProcessor,
+        FusedLogprobProcessor,
+        LinearCEProcessor,
+        LogprobEntropyProcessor,
+        PolicyLossProcessor,
+        SelectedLogprobProcessor,
+        TopKDistillationProcessor,
+        megatron_upstream_grad,
+    )
+
+# Lazy (PEP 562): `import mcore_hooks` (and so `mcore-hooks --help`, and `mcore_hooks._quiet`
+# before Megatron Core's import) imports neither torch nor Megatron Core; a name is imported
+# from its module on first use.
+_WHERE = {
+    "debug_checks": ".debug",
+    "set_debug_checks": ".debug",
+    "enable_output_processor": ".hooked",
+    "hooked_class": ".hooked",
+    "supports_output_processor": ".hooked",
+    "OUTPUT_PROCESSOR_KEYWORDS": ".postprocess",
+    "DefaultProcessor": ".postprocess",
+    "PostprocessContext": ".postprocess",
+    "PostprocessProcessor": ".postprocess",
+    "check_output_processor": ".postprocess",
+    "Truncation": ".kernels",
+    "EntropyProcessor": ".processors",
+    "FusedLogprobProcessor": ".processors",
+    "LinearCEProcessor": ".processors",
+    "LogprobEntropyProcessor": ".processors",
+    "PolicyLossProcessor": ".processors",
+    "SelectedLogprobProcessor": ".processors",
+    "TopKDistillationProcessor": ".processors",
+    "megatron_upstream_grad": ".processors",
+    # made on first access for the installed release (see below)
+    "HookedGPTModel": ".hooked",
+    "HookedHybridModel": ".hooked",
+    "HookedMambaModel": ".hooked",
+}
 
 __all__ = [
     "OUTPUT_PROCESSOR_KEYWORDS",
@@ -98,7 +128,21 @@ __all__ = [
 # and `import mcore_hooks` does not import Megatron Core to find out.
 
 
+# submodules, as attributes (`mcore_hooks.kernels.linear_cross_entropy` after `import mcore_hooks`)
+_SUBMODULES = ("cli", "compat", "debug", "hooked", "integrations", "kernels", "main_grad", "mtp",
+               "postprocess", "processors", "rollout", "schedule_plan", "testing", "verify")
+
+
 def __getattr__(name: str) -> Any:
-    if name in ("HookedGPTModel", "HookedHybridModel", "HookedMambaModel"):
-        return getattr(hooked, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+    if not name.startswith("Hooked"):  # the hooked classes stay the hooked module's to make
+        globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | set(globals()))

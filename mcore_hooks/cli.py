@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="mcore-hooks", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=_version())
-    commands = parser.add_subparsers(dest="command", metavar="command", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="verify", required=True)
     verify = commands.add_parser(
         "verify",
         help="check every bundled processor against stock Megatron Core on tiny models",
@@ -129,6 +129,7 @@ def verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[i
     lines = [
         f"mcore-hooks verify: Megatron Core {version}, torch {meta['torch']}, device {args.device}",
         f"{len(results) - len(failed)} passed, {len(failed)} failed",
+        _coverage(results, args.tp),
     ]
     if args.table:
         lines += ["", format_table(results)]
@@ -137,6 +138,17 @@ def verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[i
     if not args.table:
         lines.append("(every check's row: mcore-hooks verify --table; as JSON: --json)")
     return status, "\n".join(lines)
+
+
+def _coverage(results: list, tps: list) -> str:
+    """What the checks covered, in one line: model classes, TP degrees, layouts, processors."""
+    models = sorted({r.model for r in results})
+    processors = sorted({r.processor.split(",")[0] for r in results} - {"hook off (None)"})
+    layouts = {part for r in results for part in r.layout.split()[1:]}
+    return (f"covered: {', '.join(models)} at TP {', '.join(map(str, tps))}, float32 and bf16, "
+            f"{' and '.join(sorted(layouts & {'packed', 'tied', 'untied'}))} outputs; "
+            f"{', '.join(processors)} through the hook, values and gradients against the stock path "
+            "(float32) or float64 (bf16)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

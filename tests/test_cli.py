@@ -32,7 +32,8 @@ def test_verify_reports_the_verdict_first_and_the_table_on_request():
     version = importlib.metadata.version("megatron-core")
     lines = out.stdout.splitlines()
     assert lines[0].startswith(f"mcore-hooks verify: Megatron Core {version}, torch ")
-    assert re.fullmatch(r"\d+ passed, 0 failed", lines[1]) and len(lines) == 3, out.stdout
+    assert re.fullmatch(r"\d+ passed, 0 failed", lines[1]) and len(lines) == 4, out.stdout
+    assert lines[2].startswith("covered: gpt at TP 1, float32 and bf16") and "through the hook" in lines[2]
     notes = re.compile("|".join(KNOWN_NOTES))
     assert not [line for line in out.stderr.splitlines() if notes.search(line)], out.stderr
     table = subprocess.run(CLI + QUICK + ["--table"], capture_output=True, text=True, timeout=300)

@@ -131,3 +131,47 @@ def test_the_readmes_first_script_runs_as_pasted_and_prints_its_result():
     diff = float(lines[2].split(":")[1])
     assert diff < 1e-5, lines
     assert "Warning" not in out.stderr and "deprecated" not in out.stderr.lower(), out.stderr
+
+
+def _first_screen() -> str:
+    text = (DOCS.parent / "README.md").read_text()
+    return text[: text.index("## A first result")]
+
+
+def test_the_readme_says_what_and_for_whom_before_any_number():
+    """The first screen: what the library is and for whom, before its headline number, then the
+    two set-up commands of each Python line; the headline is the docs landing page's too."""
+    screen = _first_screen()
+    intro = screen[: screen.index("One number")]
+    for words in ("RL post-training", "output_processor", "Megatron Core 0.18", "without patching"):
+        assert words in intro, words
+    assert not re.search(r"\d+\.\d+ ms", intro)  # no figure before it says what it is
+    for line in ('python3.11 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e ".[test]" && .venv/bin/mcore-hooks verify',
+                 ".venv/bin/python -m pytest",
+                 'python3.12 -m venv .venv312 && .venv312/bin/pip install -e ".[test]" megatron-core==0.19.2 && .venv312/bin/mcore-hooks verify',
+                 ".venv312/bin/python -m pytest"):
+        assert f"\n{line}\n" in screen, line
+    headline = re.search(r"\*\*([\d.]+) ms with `PolicyLossProcessor`\s+against the stock path's ([\d.]+) ms\*\*",
+                         screen)
+    assert headline, "the headline number"
+    index = (DOCS / "index.md").read_text()
+    assert " ".join(headline.group(0).split()) in " ".join(index.split())
+    results = (DOCS.parent / "benchmarks" / "RESULTS.md").read_text()
+    assert all(f"| {g} |" in results for g in headline.groups())
+
+
+def test_the_cli_answers_help_without_importing_torch_or_megatron():
+    """``mcore-hooks --help`` / ``--version`` parse before importing anything heavy (they took
+    9-33 s on a loaded 2-core machine when torch and Megatron Core came first): the same
+    process, asked for its modules after, has neither."""
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io\nfrom mcore_hooks.cli import main\n"
+            "for argv in (['--help'], ['--version']):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "        main(argv)\n"
+            "print(sorted(m for m in ('torch', 'megatron') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

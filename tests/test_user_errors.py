@@ -140,3 +140,12 @@ def test_a_policy_loss_subclass_may_take_an_input_of_its_own():
     torch.testing.assert_close(two, 2 * one)
     with pytest.raises(ValueError, match="missing 'weights'"):
         PolicyLossProcessor(loss=Weighted())(**kw)
+
+
+def test_a_processors_repr_shows_its_options():
+    """In a log or a debugger a processor says what it will do: its class and options."""
+    text = repr(PolicyLossProcessor(temperature=0.7, aggregation="seq-mean-token-sum"))
+    assert text.startswith("PolicyLossProcessor(") and "temperature=0.7" in text
+    assert "aggregation='seq-mean-token-sum'" in text and "loss=PolicyLoss(clip_low=0.2" in text
+    per_sample = repr(PolicyLossProcessor(temperature=torch.full((3,), 0.5)))
+    assert "temperature=tensor(shape=(3,), dtype=torch.float32)" in per_sample

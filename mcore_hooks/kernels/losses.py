@@ -172,6 +172,9 @@ class PerTokenLoss:
         else:
             self.required, self.accepted = _function_inputs(fn)
 
+    def __repr__(self) -> str:
+        return repr(self.fn)  # the loss as given (a PolicyLoss shows its fields)
+
     def check_inputs(self, inputs: Mapping[str, Any], what: str = "inputs") -> None:
         """ValueError naming ``what`` where ``inputs`` lacks a name the loss needs or has one it
         does not know (a name it knows but this configuration does not use is accepted)."""

@@ -160,6 +160,16 @@ class _FusedProcessor(PostprocessProcessor):
             )
         return super().__new__(cls, **kwargs)
 
+    def __repr__(self) -> str:
+        """The class and its options as keywords (a tensor by its shape and dtype)."""
+        def show(v: Any) -> str:
+            if isinstance(v, torch.Tensor):
+                return f"tensor(shape={tuple(v.shape)}, dtype={v.dtype})"
+            return repr(v)
+
+        opts = ", ".join(f"{k}={show(v)}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({opts})"
+
     def _set_options(
         self, temperature: Union[float, torch.Tensor], ignore_index: int, chunk_size: Optional[int],
         backend: str, batch_invariant: bool = True,
