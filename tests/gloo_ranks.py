@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import queue as queue_module
 import socket
 import time
@@ -22,7 +23,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(module: str, name: str, rank: int, world: int, port: int, results: Any) -> None:
+def _worker(module: str, name: str, rank: int, world: int, port: int, results: Any,
+            environ: dict) -> None:
+    os.environ.clear()  # the caller's, as a spawned rank has it (not the fork server's)
+    os.environ.update(environ)
     reported = False
     try:
         torch.set_num_threads(1)  # the ranks share a small CPU box
@@ -70,7 +74,8 @@ def run_gloo_ranks(fn: Callable[[int, int], Any], world: int, timeout: float = 2
     ctx = _context()
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(fn.__module__, fn.__name__, r, world, port, results),
+    procs = [ctx.Process(target=_worker, args=(fn.__module__, fn.__name__, r, world, port, results,
+                                               dict(os.environ)),
                          daemon=True) for r in range(world)]
     outputs: dict[int, Any] = {}
     try:

@@ -374,8 +374,9 @@ class Backend:
                 if need_x:
                     self.hidden_grad(dzc, weight, dx[start:end])
                 if need_w and into is not None:
-                    adding["added"] = True
                     addmm_f32_(into, dzc.t(), xc, alpha=p.upstream_grad)
+                    # after: an error forming the product's operands (memory) added nothing
+                    adding["added"] = True
                 elif need_w and defer_weight_grad:
                     return FusedLoss(loss, logprob, entropy, dx, None, dz)
                 elif need_w:

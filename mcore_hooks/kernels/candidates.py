@@ -329,8 +329,9 @@ class Truncation:
         ties: room gathered for logits tied with the ``k``-th beyond ``k``: with
             ``engine="vllm"`` its rule keeps them all (bf16-rounded logits tie often; at least 1
             is gathered, so a tie past the set is seen); with ``engine="sglang"``, where the
-            label ties with the ``k``-th among them it is kept in place of one. A token whose ties do not fit is refused where values
-            are checked, else gives NaN.
+            label ties with the ``k``-th among them it is kept in place of one (tied beyond
+            them, it is added as a ``k + 1``-th, and ``label_outside`` says so). A token whose
+            vLLM ties do not fit is refused where values are checked, else gives NaN.
         max_top_k: the largest effective ``top_k`` when ``top_k`` is a device tensor (the
             vocabulary's size where some token has none).
     """

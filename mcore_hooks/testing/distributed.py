@@ -201,7 +201,11 @@ def _rank_context():
     process's state leaks in), but forked from a fork server that imported torch and Megatron
     Core once (:mod:`._rank_preload`), not each importing them anew. Spawned where the platform
     has no fork server, or where CUDA is available (a process forked after CUDA's driver
-    started cannot use it: ranks may run on the GPU there)."""
+    started cannot use it: ranks may run on the GPU there). Unlike spawned ones, the ranks write
+    to the stdout and stderr this process had when the server started (its first call), and
+    settings torch and Megatron Core read from the environment at import are those of that
+    moment (the rest of the environment is the caller's, at each call); the server is this
+    process's one (``multiprocessing``'s ``forkserver`` context, its preload set here)."""
     import multiprocessing
 
     import torch.multiprocessing as mp
@@ -232,8 +236,14 @@ def _run_once(fn: Callable[..., Any], world_size: int, tp: int, cp: int, timeout
         )
         for rank in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
+    try:
+        for proc in procs:
+            proc.start()
+    except EOFError as e:  # the fork server died: its preload raised (not an ImportError)
+        raise RuntimeError(
+            "run_on_ranks: the fork server its ranks start from failed while importing torch and "
+            "Megatron Core (mcore_hooks.testing._rank_preload); run `python -c 'import "
+            "megatron.core.models.gpt'` to see why") from e
     deadline = time.monotonic() + timeout
     outputs: dict[int, Any] = {}
     try:
