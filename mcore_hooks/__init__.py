@@ -102,30 +102,10 @@ _WHERE = {
     "HookedMambaModel": ".hooked",
 }
 
-__all__ = [
-    "OUTPUT_PROCESSOR_KEYWORDS",
-    "DefaultProcessor",
-    "EntropyProcessor",
-    "FusedLogprobProcessor",
-    "LinearCEProcessor",
-    "LogprobEntropyProcessor",
-    "PostprocessContext",
-    "PolicyLossProcessor",
-    "SelectedLogprobProcessor",
-    "TopKDistillationProcessor",
-    "Truncation",
-    "PostprocessProcessor",
-    "check_output_processor",
-    "debug_checks",
-    "enable_output_processor",
-    "hooked_class",
-    "megatron_upstream_grad",
-    "set_debug_checks",
-    "supports_output_processor",
-]
 # HookedGPTModel / HookedHybridModel / HookedMambaModel are public too, made on first access for
 # the installed release; not in __all__, because a release may lack the class (HybridModel < 0.18)
 # and `import mcore_hooks` does not import Megatron Core to find out.
+__all__ = [name for name in _WHERE if not name.startswith("Hooked")]
 
 
 # submodules, as attributes (`mcore_hooks.kernels.linear_cross_entropy` after `import mcore_hooks`)
