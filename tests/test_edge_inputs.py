@@ -255,3 +255,41 @@ def test_a_chunk_size_that_does_not_divide_the_block_keeps_a_tokens_bits(chunk_s
         seen.append((value.detach(), x.grad[place].clone()))
     for value, row in seen[1:]:
         assert torch.equal(value, seen[0][0]) and torch.equal(row, seen[0][1])
+
+
+@pytest.mark.parametrize("case", ["cross-entropy", "policy-loss-op", "per-token-loss", "declared-upstream-grad"])
+def test_a_loss_divided_in_place_before_its_backward(case):
+    """Megatron's schedule divides the loss a loss function returns in place
+    (``output_tensor /= num_microbatches``) before its backward. The fused losses saved that
+    very tensor (the double-backward guard's anchor) and the backward raised ("modified by an
+    inplace operation"), on a 4-GPU training step at hidden 3584. The gradients are now those of
+    the divided loss, as for any torch loss."""
+    from mcore_hooks.kernels import linear_policy_loss
+    from test_kernels import _double_backward_cases
+
+    n, h, v, cases = _double_backward_cases()
+    g = torch.Generator().manual_seed(13)
+    x0, w0 = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g)
+    if case == "declared-upstream-grad":  # the gradient it gets must be the declared one: 1/4
+        y = torch.randint(0, v, (n,), generator=g)
+
+        def run(x, w, acc):
+            return linear_policy_loss(x, w, y, token_weight=torch.ones(n), backend="torch",
+                                      inputs={"advantages": torch.linspace(-1, 1, n),
+                                              "old_logprobs": -torch.ones(n)},
+                                      weight_grad_accumulator=acc, upstream_grad=0.25).loss
+    else:
+        def run(x, w, acc):
+            return cases[case](x, w)
+    grads = []
+    for in_place in (False, True):
+        x, w, acc = x0.clone().requires_grad_(), w0.clone().requires_grad_(), torch.zeros(v, h)
+        loss = run(x, w, acc)
+        if in_place:
+            loss /= 4
+        else:
+            loss = loss / 4
+        loss.backward()
+        grads.append((x.grad, w.grad, acc))
+    for a, b in zip(*grads):
+        assert (a is None and b is None) or torch.equal(a, b)

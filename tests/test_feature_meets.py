@@ -151,6 +151,53 @@ def test_megatron_upstream_grad_is_what_the_schedule_gives(returns, per_token, c
     assert torch.tensor(seen[0], dtype=torch.float32) == declared  # as the kernels compare
 
 
+@pytest.mark.parametrize("processor", ["policy", "ce-sum", "policy-per-token-loss"])
+def test_a_processors_loss_returned_as_is_through_megatrons_step(processor):
+    """A loss function that returns the processor's loss itself, as users write it: Megatron's
+    ``forward_step`` divides it in place (``output_tensor /= num_microbatches``) before
+    ``backward_step``. The fused losses kept that tensor for their backward and raised there
+    ("modified by an inplace operation"; a 4-GPU step at hidden 3584); the gradients now equal
+    those of a loss function that returns a copy."""
+    from megatron.core.enums import ModelType
+    from megatron.core.pipeline_parallel import schedules
+
+    from mcore_hooks.kernels import PolicyLoss
+
+    cfg = TinyModelConfig(tied=False)
+    batch = tiny_batch(cfg)
+    b, s = batch["labels"].shape
+    context = {"old_logprobs": -torch.ones(b, s), "advantages": torch.linspace(-1, 1, b * s).view(b, s)}
+    grads = []
+    for copied in (True, False):
+        model = enable_output_processor(build_tiny_model(cfg))
+        if processor == "ce-sum":
+            proc, ctx = LinearCEProcessor(reduction="sum"), None
+        else:
+            loss = PolicyLoss() if processor == "policy" else (lambda lp, ent, advantages: -advantages * lp)
+            proc = PolicyLossProcessor(loss=loss, aggregation="token-sum", as_tuple=True)
+            ctx = context if processor == "policy" else {"advantages": context["advantages"]}
+
+        def forward_step(data_iterator, model):
+            out = model(**batch, output_processor=proc, output_processor_context=ctx)
+            loss = out if processor == "ce-sum" else out[0]
+
+            def loss_func(loss):
+                return (loss * 1.0 if copied else loss), {}
+
+            return loss, loss_func
+
+        for _ in range(2):
+            result = _call(schedules.forward_step, forward_step_func=forward_step, data_iterator=None,
+                           model=model, num_microbatches=2, input_tensor=None, forward_data_store=[],
+                           config=model.config, cp_group_size=1, is_last_stage=True)
+            output = result[0] if isinstance(result, tuple) else result
+            _call(schedules.backward_step, input_tensor=[None], output_tensor=output,
+                  output_tensor_grad=[None], model_type=ModelType.encoder_or_decoder, config=model.config)
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 def test_megatron_upstream_grad_refuses_what_cannot_be_declared():
     from mcore_hooks import megatron_upstream_grad
 

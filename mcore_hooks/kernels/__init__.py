@@ -522,7 +522,7 @@ def _fused(hidden, weight, p: KernelParams, token_weight: torch.Tensor,
         return loss_op.fused_loss(hidden, weight, p, token_weight, loss, [inputs[k] for k in names],
                               need_x, need_w)
     if (need_x or need_w) and in_forward:
-        return loss_op.LinearFusedLoss.apply(hidden, weight, p, loss, need_x, need_w)
+        return loss_op.LinearFusedLoss.apply(hidden, weight, p, loss, need_x, need_w)[:3]
     logprob, entropy, _, _ = stats_op.stats(hidden, weight, p)
     if as_data:
         data = None if loss is None else loss_op.policy_loss_data(loss)

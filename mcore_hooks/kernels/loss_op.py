@@ -188,14 +188,16 @@ def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel
 
 def _fused_setup(ctx, inputs, output):
     hidden, _, _, _, _, _, group, sp, _, backend = inputs[:10]
-    loss, logprob, entropy, dx32, dw32 = output
-    # the loss alone carries a gradient: the per-token values are detached by contract, the
-    # float32 gradients are for the backward (no zeros made for their gradients)
-    ctx.mark_non_differentiable(logprob, entropy, dx32, dw32)
+    _, logprob, entropy, dx32, dw32 = output
+    # the loss alone takes a gradient: the per-token values are detached by contract, the
+    # float32 gradients are for the backward (no zeros made for their gradients). dX's stays
+    # attached in eager calls, first_order's anchor: an output nobody else sees, where the loss
+    # may be divided in place before its backward (Megatron's schedule does); traced, where
+    # first_order adds nothing, it is detached too (no tangent made for it)
+    ctx.mark_non_differentiable(logprob, entropy, dw32, *((dx32,) if inputs[-1] else ()))
     ctx.set_materialize_grads(False)
     deferred = dw32.numel() and dw32.dtype != _F32  # the logit gradient: dW formed from it
-    # the loss (a scalar): first_order's anchor
-    ctx.save_for_backward(dx32, dw32, hidden if deferred else None, loss)
+    ctx.save_for_backward(dx32, dw32, hidden if deferred else None)
     # not saved: written between this forward and its backward by design (see _stats_setup)
     ctx.accumulator, ctx.placeholder = inputs[15], inputs[16]
     ctx.weight_shape = inputs[1].shape
@@ -258,7 +260,8 @@ def _(accumulator, dw, x, grad):
 
 
 def _fused_backward(ctx, grad, *_):
-    dx32, dw32, x, loss = ctx.saved_tensors
+    anchor, dw32, x = ctx.saved_tensors
+    dx32 = anchor.detach()  # attached to this node where saved (see _fused_setup)
     if grad is None:
         grad = torch.zeros((), dtype=_F32, device=dx32.device)
     dw = None
@@ -268,7 +271,7 @@ def _fused_backward(ctx, grad, *_):
             dw = ag.placeholder_grad_like(ctx.weight_shape, ctx.dtype, dw32.device)
     elif ctx.needs_input_grad[1] and dw32.numel():
         dw = _scaled(dw32, grad, ctx.dtype) if x is None else _weight_grad(dw32, x, grad)
-    dx, dw = ag.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw, anchor=loss)
+    dx, dw = ag.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw, anchor=anchor)
     # one entry per input, a list for the list of tensors
     return (dx, dw) + (None,) * 10 + ([None] * ctx.num_inputs, None, None, None, None, None)
 
@@ -306,24 +309,30 @@ class _FusedIntoAccumulator(torch.autograd.Function):
         loss, logprob, entropy, dx32, _ = call(fused_token_loss_into_, hidden, weight, *args)
         if args[-1]:  # need_w: the weight's gradient went into the accumulator
             ag.expect_backward(ctx)
-        ctx.save_for_backward(dx32, loss)  # the loss: first_order's anchor
+        # dX's float32 rows: an output too (the caller drops it), first_order's anchor, where
+        # the loss may be divided in place before its backward
+        ctx.save_for_backward(dx32)
         ctx.group, ctx.sp, ctx.upstream_grad, ctx.placeholder = args[4], args[5], args[9], placeholder
         ctx.ordered = invariant(args[7])
         ctx.hidden_shape, ctx.dtype = hidden.shape, hidden.dtype
         ctx.weight_shape = weight.shape
         ctx.mark_non_differentiable(logprob, entropy)
-        return loss, logprob, entropy
+        ctx.set_materialize_grads(False)
+        return loss, logprob, entropy, dx32
 
     @staticmethod
     def backward(ctx, grad, *_):
         ag.backward_ran(ctx)
-        dx32, loss = ctx.saved_tensors
+        anchor, = ctx.saved_tensors
+        dx32 = anchor.detach()
+        if grad is None:  # not materialised (see forward): the loss itself took none
+            grad = torch.zeros((), dtype=_F32, device=dx32.device)
         dw = None
         if ctx.needs_input_grad[1]:
             ag.check_upstream_grad(grad, ctx.upstream_grad)
             if ctx.placeholder:
                 dw = ag.placeholder_grad_like(ctx.weight_shape, ctx.dtype, grad.device)
-        return ag.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw, anchor=loss) + (None, None)
+        return ag.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw, anchor=anchor) + (None, None)
 
 
 def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Tensor,
@@ -337,7 +346,7 @@ def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Te
     if p.upstream_grad is not None and p.weight_grad_accumulator is not None:
         return _FusedIntoAccumulator.apply(
             hidden, weight, args + (p.weight_grad_accumulator, p.upstream_grad, token_weight, data,
-                                    inputs, need_x, need_w), p.dummy_weight_grad)
+                                    inputs, need_x, need_w), p.dummy_weight_grad)[:3]
     out = call(fused_token_loss, hidden, weight, *args, token_weight, data, inputs, need_x, need_w,
                p.weight_grad_accumulator, p.dummy_weight_grad, torch.compiler.is_compiling())
     return out[0], out[1], out[2]
@@ -361,17 +370,23 @@ class LinearFusedLoss(torch.autograd.Function):
         if need_w and p.upstream_grad is not None and p.weight_grad_accumulator is not None:
             ag.expect_backward(ctx)
         total = r.loss.sum()
-        ctx.save_for_backward(r.dx, r.dw, total)  # the loss: first_order's anchor
+        # first_order's anchor: an output the caller drops (the loss may be divided in place
+        # before its backward, as Megatron's schedule does); empty, so nothing is kept for it
+        anchor = total.new_empty(0)
+        ctx.save_for_backward(r.dx, r.dw, anchor)
         ctx.params, ctx.hidden_shape, ctx.dtype = p, hidden.shape, x.dtype
         ctx.weight_shape = weight.shape
         entropy = r.entropy if r.entropy is not None else torch.zeros_like(r.logprob)
         ctx.mark_non_differentiable(r.logprob, entropy)
-        return total, r.logprob, entropy
+        ctx.set_materialize_grads(False)
+        return total, r.logprob, entropy, anchor
 
     @staticmethod
-    def backward(ctx, grad, _d_logprob, _d_entropy):
+    def backward(ctx, grad, _d_logprob, _d_entropy, _d_anchor):
         ag.backward_ran(ctx)
-        dx32, dw32, total = ctx.saved_tensors
+        dx32, dw32, anchor = ctx.saved_tensors
+        if grad is None:  # not materialised (see forward): the loss itself took none
+            grad = torch.zeros((), dtype=torch.float32, device=anchor.device)
         p: KernelParams = ctx.params
         dx = dw = None
         if dx32 is not None:
@@ -384,4 +399,4 @@ class LinearFusedLoss(torch.autograd.Function):
             ag.check_upstream_grad(grad, p.upstream_grad)
             if p.dummy_weight_grad:
                 dw = ag.placeholder_grad_like(ctx.weight_shape, ctx.dtype, grad.device)
-        return ag.first_order(_FUSED_NAME, dx, dw, anchor=total) + (None, None, None, None)
+        return ag.first_order(_FUSED_NAME, dx, dw, anchor=anchor) + (None, None, None, None)
