@@ -243,6 +243,65 @@ def test_the_op_path_is_the_eager_path_bit_for_bit():
         assert torch.equal(a, b)
 
 
+def _traced_graphs(fn, *args):
+    """``fn(*args)`` compiled and backpropagated; the forward and backward graphs AOTAutograd
+    traced (no code generated)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))(*args)
+    out.backward()
+    return graphs
+
+
+def _targets(graphs):
+    """The functions the graphs call, a mutating op by its name (not its functional wrapper)."""
+    return {str(n.args[0] if "auto_functionalized" in str(n.target) else n.target)
+            for gm in graphs for n in gm.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("entry", ["logprob", "policy-loss", "policy-loss-declared"])
+def test_a_traced_backward_calls_the_ops_not_their_eager_code(entry, monkeypatch):
+    """Up to torch 2.11, AOTAutograd traced the ops' autograd formulas with fake tensors while
+    ``torch.compiler.is_compiling()`` was False (later releases hold it True for the whole
+    compile session; undone here, to trace as 2.11 does). The formulas ran the ops' eager code
+    there, which on a GPU read a fake tensor's data pointer ("Cannot access data pointer of
+    Tensor": every processor under Inductor, H200, torch 2.11) and on the CPU was traced into
+    plain torch operations. The backward graph now holds the ops themselves."""
+    import contextlib
+
+    monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext, raising=False)
+    layer, hidden, labels, _ = _data()
+    x = hidden.reshape(-1, H).detach().requires_grad_()
+    w = layer.weight.detach().requires_grad_()
+    flat = labels.t().reshape(-1)
+    n = flat.shape[0]
+    acc = torch.zeros(V, H)
+
+    def fn(xx, ww):
+        if entry == "logprob":
+            return linear_logprob_entropy(xx, ww, flat, backend="torch").logprob.sum()
+        return linear_policy_loss(
+            xx, ww, flat, token_weight=torch.ones(n), backend="torch",
+            inputs={"advantages": torch.linspace(-1, 1, n), "old_logprobs": -torch.ones(n)},
+            **({"weight_grad_accumulator": acc, "upstream_grad": 1.0} if entry.endswith("declared") else {})).loss
+
+    targets = _targets(_traced_graphs(fn, x, w))
+    op = {"logprob": "mcore_hooks.logsoftmax_stats_backward.default",
+          "policy-loss": "mcore_hooks.fused_token_loss.default",
+          "policy-loss-declared": "mcore_hooks.fused_token_loss_into_.default"}[entry]
+    assert op in targets, sorted(targets)
+    if entry == "logprob":  # the backward's own op, not its implementation's torch operations
+        assert not any("mm" in t and "mcore_hooks" not in t for t in targets), sorted(targets)
+
+
 class _Capture:
     def __init__(self):
         self.kwargs = None

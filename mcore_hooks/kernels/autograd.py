@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_reduce
+from .dispatch import tracing
 from .matmul import addmm_f32_, mm_f32
 from .options import KernelParams
 
@@ -440,7 +441,7 @@ def expect_backward(ctx) -> None:
     gradient no loss received, and nothing can take it back: say so (a ``RuntimeWarning``, when
     the graph goes). The watch lives on the graph's node and goes with it. (Compiled graphs:
     not watched, their backward is traced.)"""
-    if torch.compiler.is_compiling():
+    if tracing():
         return
     ran: list = []
     ctx.backward_ran = ran
@@ -488,7 +489,7 @@ def first_order(name: str, *grads: Optional[torch.Tensor], anchor: Optional[torc
     that node too, so the node lies on every path from the gradients back to the forward's
     inputs: ``torch.autograd.grad(f(dX), x)`` reaches it and raises, rather than finding no
     path and answering None (zero). (Compiled backwards refuse a double backward themselves.)"""
-    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if not torch.is_grad_enabled() or tracing():
         return grads
     tensors = [g for g in grads if g is not None]
     if not tensors:
@@ -512,7 +513,7 @@ def check_upstream_grad(grad: torch.Tensor, declared: float) -> None:
             "backward (its weight gradient, scaled by that, was added into the accumulator in the "
             "forward), but received ")
     same = grad.detach().float() == declared  # in float32, as the accumulator was scaled
-    if grad.device.type == "cpu" and not torch.compiler.is_compiling():  # readable without a wait
+    if grad.device.type == "cpu" and not tracing():  # readable without a wait
         if not bool(same):
             raise RuntimeError(what + f"{float(grad)!r}: declare the value your loss function and "
                                "the schedule give it (megatron_upstream_grad), or leave it None")

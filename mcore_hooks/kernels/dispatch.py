@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 # op -> its Python implementation; op -> (setup_context, backward)
 _IMPL: dict[Any, Callable] = {}
@@ -57,10 +58,18 @@ class _Eager(torch.autograd.Function):
         return tuple(None if isinstance(x, list) else x for x in g) + (None,)
 
 
+def tracing() -> bool:
+    """Whether this code is being traced, not run: by Dynamo, or under a dispatch mode (the fake
+    and functional tensors of AOTAutograd tracing an op's autograd formula, where
+    ``torch.compiler.is_compiling()`` is False; or a user's mode, which should see the ops).
+    Eager shortcuts (an op's implementation, a Triton launch) are for real tensors alone."""
+    return torch.compiler.is_compiling() or is_in_torch_dispatch_mode()
+
+
 def call(op: Any, *args: Any) -> Any:
-    """``op(*args)`` (positional arguments): the op itself under ``torch.compile``, else its
-    implementation (under its autograd formula where a tensor argument needs a gradient)."""
-    if torch.compiler.is_compiling():
+    """``op(*args)`` (positional arguments): the op itself where traced (:func:`tracing`), else
+    its implementation (under its autograd formula where a tensor argument needs a gradient)."""
+    if tracing():
         return op(*args)
     if op in _AUTOGRAD and torch.is_grad_enabled() and any(
             isinstance(a, torch.Tensor) and a.requires_grad for a in args):

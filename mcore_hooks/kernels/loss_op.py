@@ -15,7 +15,7 @@ from torch import Tensor
 from . import autograd as ag
 from . import comm
 from .debug import check_values
-from .dispatch import call, custom_op, register_autograd
+from .dispatch import call, custom_op, register_autograd, tracing
 from .losses import PolicyLoss, WeightedNLL, per_token_loss
 from .matmul import mm_f32
 from .ops import _F32, _backend, _nothing, _params, group_name, invariant, reduce_hidden_grad
@@ -209,7 +209,7 @@ def _scaled(t32: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:
     """``t32 * grad`` rounded to the input dtype once, without a float32 temporary of t's size
     (in one Triton pass where it runs, eager: torch's mul into another dtype runs at half the
     memory's speed)."""
-    if t32.is_cuda and t32.is_contiguous() and not torch.compiler.is_compiling() and dtype != _F32:
+    if t32.is_cuda and t32.is_contiguous() and not tracing() and dtype != _F32:
         from . import triton_fused, triton_tiles
 
         if triton_tiles.device_tiles(t32.device) is not None:
@@ -227,7 +227,7 @@ def _hidden_grad(ctx, dx32: Tensor, grad: Tensor) -> Optional[Tensor]:
 def _weight_grad(dz: Tensor, x: Tensor, grad: Tensor) -> Tensor:
     """``grad * dz.T @ x``, rounded once to x's dtype: one Triton product eager, cuBLAS's float32
     product and :func:`_scaled` where traced."""
-    if torch.compiler.is_compiling():
+    if tracing():
         return _scaled(mm_f32(dz.t(), x), grad, x.dtype)
     from . import triton_fused
 
@@ -238,7 +238,7 @@ def _weight_grad(dz: Tensor, x: Tensor, grad: Tensor) -> Tensor:
 def accumulate_weight_grad_(accumulator: Tensor, dw: Tensor, x: Optional[Tensor], grad: Tensor) -> None:
     """``accumulator += grad * dW`` in float32: ``dw`` the float32 dW formed in the forward, or
     (``x`` given) the logit gradient ``[N, V_local]`` dW is formed from (``dw.T @ x``)."""
-    eager = not torch.compiler.is_compiling() and accumulator.is_cuda and accumulator.is_contiguous()
+    eager = not tracing() and accumulator.is_cuda and accumulator.is_contiguous()
     if eager:
         from . import triton_fused, triton_tiles
 
