@@ -411,6 +411,12 @@ def main() -> int:
     args = ap.parse_args()
     if args.configs is None:
         args.configs = DEFAULT_CONFIGS.get(args.gpus, ["one_gpu"])
+    layers = args.layers or SHAPES[args.shape]["num_layers"]
+    for name in args.configs:  # refused here, not by Megatron in every rank after the others start
+        stages = CONFIGS[name].get("pp", 1) * (CONFIGS[name].get("vpp") or 1)
+        if layers % stages:
+            ap.error(f"{name}: {layers} layers do not split into {stages} pipeline stages "
+                     f"(--layers a multiple of {stages}, e.g. --shape h512 --layers 8)")
     import torch.multiprocessing as mp
 
     print(f"{datetime.date.today()} {args.gpus} x {torch.cuda.get_device_name()} torch "
