@@ -1,0 +1,714 @@
+"""``upstream/verl/``'s patch series on verl 0.9.1's sdist (the release on the package registry),
+run as verl runs it, on tiny stock GPTModels on the CPU.
+
+The sdist is downloaded once (sha256-checked, cached under ``$MCORE_HOOKS_CI_CACHE`` or
+``~/.cache/mcore-hooks-ci``) and unpacked twice: as released, and with the series applied by
+``git apply`` (that it applies cleanly, in order, is the first test). Each tree is imported in
+ranks of its own (``run_on_ranks``: gloo CPU ranks, fresh processes), with only what has no CPU
+form stood in for: Ray and verl's accelerator platform (``tests/verl_stubs.py``), and under
+context parallelism Transformer Engine's CP attention (:class:`ContextParallelCoreAttention`).
+
+What runs is verl's own engine: ``MegatronEngineWithLMHead.initialize`` (forward-only, so no
+optimizer: ``_maybe_enable_fused_kernels`` and the MTP patches run as in training) and
+``forward_step`` on a micro-batch as verl's trainer hands it over (nested ``input_ids``, a
+response ``loss_mask``, a per-sample ``temperature``). The patched tree runs the fused forward
+(``use_fused_kernels=True``: ``VerlFusedProcessor`` through ``mcore_hooks``); the released tree runs
+its non-fused forward (logits materialised, verl's ``_lm_head_logits_processor``:
+``vocab_parallel_log_probs_from_logits`` and ``vocab_parallel_entropy``), the one it runs where
+the patched tree's cases are refused (MTP on, per-sample temperatures) or which its own fused
+kernel (Triton) needs a GPU for. Both get the same objective (random weights on every token's
+log-prob and entropy) and are compared: log-probs, entropies, every parameter's gradient on
+every rank, and with MTP on the MTP losses Megatron logs. A third reference is stock Megatron
+itself: the same weights, each sequence alone through ``model.forward`` (logits, divided by its
+temperature, ``log_softmax``), log-probs and entropies and every gradient.
+
+Cases: MTP on (two depths, trained) and MTP on but not trained; tensor parallel 2 with sequence
+parallel; context parallel 2; packed THD batches throughout (verl's engine packs every batch);
+per-sample temperatures; and the combined-1F1B schedule plan of
+``model_forward_1f1b_overlap.py``. Marked ``verl_series``: the test needs verl's CPU dependencies
+(``tests/verl_stubs.REQUIRED``) and fails, naming them, where they are missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from tolerances import U32, C
+
+from mcore_hooks.testing import (
+    TinyModelConfig,
+    build_tiny_model,
+    model_parallel,
+    run_on_ranks,
+)
+
+pytestmark = pytest.mark.verl_series
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _verl_requirements():
+    """verl's CPU dependencies are the ``verl-series`` extra (``pip install -e ".[verl-series]"``):
+    without it the module is skipped, saying so, unless ``MCORE_HOOKS_VERL_SERIES=required``
+    (``.ci/run`` sets it where it installs the extra), where a missing package fails."""
+    import verl_stubs
+
+    missing = verl_stubs.missing_requirements()
+    if missing and os.environ.get("MCORE_HOOKS_VERL_SERIES") == "required":
+        pytest.fail(f"MCORE_HOOKS_VERL_SERIES=required, but verl's CPU dependencies are missing: {missing}")
+    if missing:
+        pytest.skip(f"verl 0.9.1's CPU dependencies are not installed ({', '.join(missing)}): "
+                    'pip install -e ".[verl-series]" to run the verl patch series\' test')
+
+
+def test_the_verl_series_extra_is_what_verls_modules_need():
+    """pyproject's ``verl-series`` extra lists exactly the requirements the stubs name."""
+    import verl_stubs
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["verl-series"]
+    assert sorted(extra) == sorted(verl_stubs.REQUIRED.values())
+
+REPO = Path(__file__).resolve().parent.parent
+SERIES = sorted((REPO / "upstream" / "verl").glob("*.patch"))
+
+VERL_VERSION = "0.9.1"
+SDIST_URL = (
+    "https://files.pythonhosted.org/packages/f7/3d/"
+    "f00b75ea9666b18c7ca103bbd26cfd3cfdfcbbf0ddda5debd7c3466b77f1/verl-0.9.1.tar.gz"
+)
+SDIST_SHA256 = "3e03d8816b2546b2c5580705671b8d0bb3f79b8364e7b5c56dbfc1245536ba22"
+
+# ---------------------------------------------------------------------------------- tolerances
+# Every value compared is float32, from the same weights and inputs by paths that differ in how
+# the last step is summed: the fused kernel forms each logit (a dot of H = 32 terms), the
+# log-sum-exp over V = 96 words and the entropy in chunks, where the other paths materialise the
+# logits and call log_softmax; the decoders run the same operations (stock: each sequence alone,
+# so its attention sums in another blocking). Bounds from tolerances.py's first-order analysis,
+# times its safety factor C = 2, with this model's magnitudes (|x| ~ 1 after the final norm, init
+# std 0.02: sum_h |x_h w_jh| < 0.5; coef = 1 / T <= 2; logit range D < 2):
+# tolerances.logprob_error = 3 Lam + u (V + 2 D + 4 log V + H + 6), Lam = (H + 2) u coef 0.5:
+# 3 * 34 u + 127 u < 2^8 u, times C.
+LOGPROB_ATOL = C * 2**8 * U32  # 2^9 u ~ 3.1e-5; measured <= 16 u (0.16.1 and 0.19.2)
+# the entropy's: 2 eps (1 + D + log V) (tolerances.logit_grad_error's dH), eps the log-prob's:
+# 2 * 2^8 u * 7.6 < 2^12 u, times C.
+ENTROPY_ATOL = C * 2**12 * U32  # 2^13 u ~ 4.9e-4; measured <= 24 u
+# Gradients, norm-wise relative (the elementwise tolerances.grad_bounds needs the float64 value of
+# every term, which a whole model does not expose): the logit gradient's relative error is the
+# log-prob's eps plus a few u (tolerances.logit_grad_error), < 2^8 u, carried back through the
+# same decoder ops on both sides, times C. Catches a wrong per-sample temperature (0.24 absolute
+# in a log-prob), an MTP loss reading the output weight attached instead of detached (3.6e-3
+# relative on the output layer), a dropped token or MTP depth.
+GRAD_RTOL = C * 2**8 * U32  # 2^9 u ~ 3.1e-5; measured <= 8 u
+# A gradient that must be zero (nothing reaches it from a detached loss) is compared exactly.
+ZERO_ATOL = 0.0
+
+
+# ---------------------------------------------------------------------------------- the trees
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MCORE_HOOKS_CI_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mcore-hooks-ci")
+    path = Path(root) / "verl-sdist"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _sdist() -> Path:
+    """verl 0.9.1's sdist from the cache, downloaded (and checked) on first use."""
+    path = _cache_dir() / f"verl-{VERL_VERSION}.tar.gz"
+    if path.exists() and _sha256(path) == SDIST_SHA256:
+        return path
+    partial = path.with_suffix(".part")
+    try:
+        with urllib.request.urlopen(SDIST_URL, timeout=120) as response, open(partial, "wb") as f:
+            shutil.copyfileobj(response, f)
+    except OSError as e:
+        raise RuntimeError(f"could not download verl {VERL_VERSION}'s sdist from {SDIST_URL}: {e}") from e
+    got = _sha256(partial)
+    if got != SDIST_SHA256:
+        partial.unlink()
+        raise RuntimeError(f"verl {VERL_VERSION} sdist: sha256 {got}, expected {SDIST_SHA256}")
+    partial.replace(path)
+    return path
+
+
+def _unpack(sdist: Path, where: Path) -> Path:
+    where.mkdir(parents=True)
+    with tarfile.open(sdist) as tar:
+        tar.extractall(where, filter="data")
+    return where / f"verl-{VERL_VERSION}"
+
+
+def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(cwd.parent))
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=60)
+
+
+class Trees(NamedTuple):
+    released: str
+    patched: str
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory) -> Trees:
+    """The released tree and the patched one (the series applied with ``git apply``, in order;
+    a patch that does not apply cleanly fails here, with git's message)."""
+    assert SERIES, "no patch in upstream/verl/"
+    sdist = _sdist()
+    base = tmp_path_factory.mktemp("verl")
+    released = _unpack(sdist, base / "released")
+    patched = _unpack(sdist, base / "patched")
+    # a repository of its own, so that git apply takes the paths relative to the sdist's root
+    # whatever repository the temporary directory is in
+    assert _git(["init", "-q"], patched).returncode == 0
+    for patch in SERIES:
+        check = _git(["apply", "--check", "--whitespace=error", str(patch)], patched)
+        assert check.returncode == 0, f"{patch.name} does not apply to verl {VERL_VERSION}:\n{check.stderr}"
+        applied = _git(["apply", "--whitespace=error", str(patch)], patched)
+        assert applied.returncode == 0, f"{patch.name}:\n{applied.stderr}"
+    return Trees(str(released), str(patched))
+
+
+def test_the_series_applies_cleanly_and_each_patch_says_why(trees, tmp_path):
+    """Applied in order by the fixture (whitespace errors refused); here: the series is all the
+    patched tree differs by (reversed, last patch first, it gives back the released tree, file for
+    file), and each patch is a commit a maintainer can read: git format-patch's header, a
+    subject, a why and a what."""
+    back = tmp_path / "reversed"
+    shutil.copytree(trees.patched, back)
+    for patch in reversed(SERIES):
+        undo = _git(["apply", "--reverse", str(patch)], back)
+        assert undo.returncode == 0, f"{patch.name} does not reverse:\n{undo.stderr}"
+    released = Path(trees.released)
+    files = lambda root: {p.relative_to(root) for p in root.rglob("*") if p.is_file() and ".git" not in p.parts}
+    assert files(back) == files(released)
+    changed = [f for f in files(released) if (back / f).read_bytes() != (released / f).read_bytes()]
+    assert not changed, changed
+    for patch in SERIES:
+        text = patch.read_text()
+        header, _, diff = text.partition("\n---\n")
+        assert header.startswith("From ") and re.search(r"^Subject: \[PATCH \d+/\d+\] \S", header, re.MULTILINE), patch.name
+        assert re.search(r"^Why:$", header, re.MULTILINE) and re.search(r"^What:$", header, re.MULTILINE), patch.name
+        assert "diff --git a/" in diff, patch.name
+
+
+def _read(tree: str, rel: str) -> str:
+    return (Path(tree) / rel).read_text()
+
+
+def test_what_the_series_deletes_is_gone_and_was_there(trees):
+    """Each concern's deletion, checked on both trees (so the check means something)."""
+    fused, engine = "verl/models/mcore/model_forward_fused.py", "verl/workers/engine/megatron/transformer_impl.py"
+    overlap, utils = "verl/models/mcore/model_forward_1f1b_overlap.py", "verl/utils/megatron_utils.py"
+    gone = {
+        fused: ["def patch_fused_forward", "def _fused_GPTModel_forward", "_LEGACY_MODE", "linear_cross_entropy("],
+        engine: ["or self.model_config.mtp.enable:", "Megatron fused kernels require a uniform temperature"],
+        overlap: ["def _postprocess(", "forward_impl = ", "linear_cross_entropy("],
+    }
+    for rel, needles in gone.items():
+        for needle in needles:
+            assert needle in _read(trees.released, rel), (rel, needle)
+            assert needle not in _read(trees.patched, rel), (rel, needle)
+    assert "output_processor=" in _read(trees.patched, overlap)
+    assert "mcore-hooks" in _read(trees.patched, "setup.py") and "mcore-hooks" in _read(trees.patched, "pyproject.toml")
+    assert "patch_postprocess: bool = True" in _read(trees.patched, utils)
+
+
+# ---------------------------------------------------------------------------------- the cases
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    lengths: tuple  # tokens of each sample (prompt + response)
+    temperature: tuple  # one per sample
+    tied: bool = True
+    sp: bool = False
+    mtp: int = 0  # MTP depths
+    mtp_train: bool = True
+    seed: int = 0
+
+
+T = 0.7
+ONE_RANK = [
+    Case("packed THD", (7, 11, 5, 9), (T,) * 4),
+    Case("per-sample temperatures", (9, 6, 12), (0.5, 1.0, 1.3), tied=False, seed=1),
+    Case("MTP on", (10, 7, 13), (T,) * 3, tied=False, mtp=2, seed=2),
+    Case("MTP on, not trained", (8, 12), (0.6, 1.2), tied=False, mtp=1, mtp_train=False, seed=3),
+]
+TP2_SP = Case("TP 2 + SP, per-sample temperatures", (7, 10, 5), (0.6, 1.0, 1.4), sp=True, seed=4)
+CP2 = Case("CP 2, per-sample temperatures", (9, 14, 6), (0.8, 1.2, 0.5), tied=False, seed=5)
+
+
+def _tiny(cfg: TinyModelConfig):
+    """A tiny stock GPTModel (same seed: same weights) without learned absolute positions: verl's
+    engine passes no position ids for a packed batch (its models use RoPE), and the CPU model's
+    attention takes its causal mask from the packing."""
+    model = build_tiny_model(cfg)
+    model.embedding.add_position_embedding = False
+    return model.train()
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather along dim 0 over ``group``; backward: the summed gradient's own rows (an
+    all-reduce: gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        ctx.group, ctx.rank, ctx.size = group, dist.get_rank(group), dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(ctx.size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.size)[ctx.rank], None
+
+
+def _zigzag_rows(cu_padded: list, cp: int, rank: int) -> tuple:
+    """The (sequence, position) of each row a CP rank holds of a packed batch: of every padded
+    sequence, chunks ``rank`` and ``2 cp - 1 - rank`` of ``2 cp`` (Megatron's, and verl's, layout)."""
+    seq, pos = [], []
+    for i, (a, b) in enumerate(zip(cu_padded[:-1], cu_padded[1:])):
+        chunk = (b - a) // (2 * cp)
+        for k in (rank, 2 * cp - 1 - rank):
+            seq += [i] * chunk
+            pos += range(k * chunk, (k + 1) * chunk)
+    return torch.tensor(seq), torch.tensor(pos)
+
+
+class ContextParallelCoreAttention(torch.nn.Module):
+    """Stands in for Transformer Engine's context-parallel attention (``TEDotProductAttention``
+    with ``cp_group``; CUDA only), which the CPU core attention of ``mcore_hooks.testing`` does not
+    implement: packed THD input only. Each rank's queries attend, causally within their packed
+    sequence, to the keys and values of every CP rank (all-gathered; their gradients go back to
+    the rank that holds them), in Megatron's load-balanced layout. Same math as the CPU core
+    attention (fp32 matmul and softmax); padding positions are attended to as TE's padded THD
+    attention does with verl's padded ``cu_seqlens``, after every real token (causal: no real
+    token sees them)."""
+
+    def __init__(self, inner: torch.nn.Module, group) -> None:
+        super().__init__()
+        import torch.distributed as dist
+
+        self.inner, self.group = inner, group
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        assert getattr(packed_seq_params, "qkv_format", None) == "thd", "packed THD input only"
+        cu = packed_seq_params.cu_seqlens_q_padded.tolist()
+        seq_q, pos_q = _zigzag_rows(cu, self.cp, self.rank)
+        rows = [_zigzag_rows(cu, self.cp, r) for r in range(self.cp)]
+        seq_k, pos_k = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        k, v = _GatherRows.apply(key, self.group), _GatherRows.apply(value, self.group)
+        allowed = (seq_q[:, None] == seq_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])
+        q, k, v = (x.permute(1, 0, 2).float() for x in (query, k, v))  # [np, t, hn]
+        scale = self.inner.softmax_scale or 1.0 / q.size(-1) ** 0.5
+        scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+        probs = torch.softmax(scores.masked_fill(~allowed, torch.finfo(scores.dtype).min), dim=-1)
+        return torch.matmul(probs, v).permute(1, 0, 2).reshape(query.size(0), -1).to(query.dtype)
+
+
+def _tiny_cp(cfg: TinyModelConfig):
+    """The tiny model on context-parallel ranks: ``build_tiny_model``'s construction (same
+    weights as on one rank: made on the CPU from the seed) less its refusal of CP, with
+    :class:`ContextParallelCoreAttention` in every layer."""
+    from megatron.core import parallel_state
+
+    from mcore_hooks.testing import cpu_shims
+    from mcore_hooks.testing import models as tiny
+
+    with cpu_shims():
+        tiny._ensure_rng_tracker_seeded(cfg.seed)
+        model = tiny._cast(tiny._construct(cfg, tiny.stock_model_class("gpt"), tiny._transformer_config(cfg, 1)), cfg)
+    group = parallel_state.get_context_parallel_group()
+    for layer in model.decoder.layers:
+        layer.self_attention.core_attention = ContextParallelCoreAttention(layer.self_attention.core_attention, group)
+    model.embedding.add_position_embedding = False
+    return model.train()
+
+
+def _samples(case: Case, vocab: int):
+    g = torch.Generator().manual_seed(case.seed)
+    ids = [torch.randint(1, vocab, (n,), generator=g) for n in case.lengths]
+    masks = []
+    for n in case.lengths:
+        prompt = max(1, n // 3)
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[prompt:] = torch.rand(n - prompt, generator=g) > 0.15
+        masks.append(mask)
+    total = sum(case.lengths)
+    weights = (torch.rand(total, generator=g), torch.rand(total, generator=g))
+    weights[0][_last_positions(case)] = 0.0  # see _last_positions
+    return ids, masks, weights
+
+
+def _last_positions(case: Case) -> torch.Tensor:
+    """Each sequence's last token: its label is not the sequence's (verl rolls the packed buffer
+    as a whole: the next sequence's first token, or the padding's), and no loss reads it; the
+    objective gives its log-prob no weight, and comparisons with stock leave it out."""
+    return torch.tensor(case.lengths).cumsum(0) - 1
+
+
+def _valid(case: Case, t: torch.Tensor) -> torch.Tensor:
+    keep = torch.ones(t.shape[0], dtype=torch.bool)
+    keep[_last_positions(case)] = False
+    return t[keep]
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _engine(cls, model, *, fused: bool, case: Case):
+    """verl's Megatron engine around ``model`` as ``MegatronEngine.__init__`` leaves it, less what
+    needs a checkpoint or Megatron-Bridge: its configs (the fields the forward reads), and
+    ``_build_tf_config`` / ``_build_megatron_module`` giving this model."""
+    from megatron.core import parallel_state as mpu
+    from verl.workers.config import MtpConfig
+
+    engine = object.__new__(cls)
+    engine.model_config = SimpleNamespace(
+        mtp=MtpConfig(enable=case.mtp > 0, enable_train=case.mtp_train),
+        hf_config=SimpleNamespace(architectures=["Qwen2ForCausalLM"]),
+        tokenizer=SimpleNamespace(pad_token_id=0),
+        model_type="language_model",
+    )
+    engine.engine_config = SimpleNamespace(
+        use_fused_kernels=fused, use_remove_padding=True, forward_only=True, override_transformer_config={},
+        dynamic_context_parallel=False, pad_to_length=False, pad_to_length_bucket=None,
+        entropy_from_logits_with_chunking=False, entropy_from_logits_chunk_size=2048,
+        context_parallel_size=mpu.get_context_parallel_world_size(),
+    )
+    engine.is_value_model = False
+    engine.enable_routing_replay = False
+    engine._qat_enabled = False
+    engine._is_offload_param = engine._is_offload_optimizer = False
+    engine._build_tf_config = lambda: setattr(engine, "tf_config", model.config)
+    engine._build_megatron_module = lambda: [model]
+    return engine
+
+
+def _micro_batch(case: Case, ids, masks, fused: bool):
+    from verl.utils import tensordict_utils as tu
+
+    nested = lambda xs: torch.nested.as_nested_tensor(list(xs), layout=torch.jagged)
+    return tu.get_tensordict(
+        {"input_ids": nested(ids), "loss_mask": nested(masks), "temperature": torch.tensor(case.temperature)},
+        {"calculate_entropy": True, "use_fused_kernels": fused},
+    )
+
+
+def _mtp_tracker() -> dict:
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    values = {k: v.detach().clone() for k, v in MTPLossLoggingHelper.tracker.items() if torch.is_tensor(v)}
+    MTPLossLoggingHelper.tracker.clear()
+    return values
+
+
+def _verl_case(fused: bool, case: Case) -> dict:
+    """verl's engine (the tree this process imported) on ``case``: log-probs, entropies (global
+    token order), every gradient of the objective, the MTP tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+
+    cfg = TinyModelConfig(tied=case.tied, sequence_parallel=case.sp, mtp_num_layers=case.mtp)
+    model = _tiny_cp(cfg) if parallel_state.get_context_parallel_world_size() > 1 else _tiny(cfg)
+    engine = _engine(MegatronEngineWithLMHead, model, fused=fused, case=case)
+    engine.initialize()
+    assert engine.engine_config.use_fused_kernels is fused, "the engine turned fused kernels off"
+    ids, masks, (w1, w2) = _samples(case, cfg.vocab_size)
+    MTPLossLoggingHelper.tracker.clear()
+    output, _ = engine.forward_step(iter([_micro_batch(case, ids, masks, fused)]), model, None, lambda *a, **k: None)
+    lp, ent = output["log_probs"].values(), output["entropy"].values()
+    assert lp.shape == ent.shape == (sum(case.lengths),)
+    (lp.float() * w1 + ent.float() * w2).sum().backward()
+    return {"log_probs": lp.detach().float(), "entropy": ent.detach().float(), "grads": _grads(model),
+            "mtp": _mtp_tracker(), "fused_class": type(model).__name__,
+            "sp_params": {n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)}}
+
+
+def _stock_case(case: Case, tp: int) -> dict:
+    """Stock Megatron on the same weights: each sequence alone through ``model.forward`` (padded
+    at its end to a multiple of ``tp``: causal, so nothing before the padding changes), its logits
+    (gathered over TP) divided by its temperature, ``log_softmax``; labels as verl rolls them
+    within each sequence (the last token's label is its sequence's first). No MTP (a stock
+    forward without labels cannot run it before 0.19): a copy without MTP shares the layers."""
+    cfg = TinyModelConfig(tied=case.tied, sequence_parallel=case.sp, mtp_num_layers=case.mtp)
+    stock = _tiny(cfg)
+    head = stock
+    if case.mtp:
+        head = _tiny(dataclasses.replace(cfg, mtp_num_layers=0))
+        head.embedding, head.decoder, head.output_layer = stock.embedding, stock.decoder, stock.output_layer
+    ids, _, (w1, w2) = _samples(case, cfg.vocab_size)
+    lps, ents = [], []
+    for seq, t in zip(ids, case.temperature):
+        n = seq.numel()
+        padded = -(-n // tp) * tp
+        x = torch.zeros(1, padded, dtype=torch.long)
+        x[0, :n] = seq
+        causal = torch.ones(padded, padded, dtype=torch.bool).triu(1).view(1, 1, padded, padded)
+        logits = head(input_ids=x, position_ids=torch.arange(padded).unsqueeze(0), attention_mask=causal,
+                      runtime_gather_output=True)[0, :n].float()
+        logp = torch.log_softmax(logits / t, dim=-1)
+        lps.append(logp.gather(-1, seq.roll(-1).unsqueeze(-1)).squeeze(-1))
+        ents.append(-(logp.exp() * logp).sum(-1))
+    lp, ent = torch.cat(lps), torch.cat(ents)
+    (lp * w1 + ent * w2).sum().backward()
+    return {"log_probs": lp.detach(), "entropy": ent.detach(), "grads": _grads(stock)}
+
+
+def _overlap_case(case: Case) -> dict:
+    """``gptmodel_forward_1f1b_overlap`` (the patched tree): the plan it returns run as Megatron's
+    combined-1F1B scheduler runs it (forward, then backward with the loss's gradients), on a
+    right-padded ``[b, s]`` batch; its outputs ``(log_probs, entropy)`` ``[b, s]``."""
+    from megatron.core.models.common.model_chunk_schedule_plan import (
+        TransformerModelChunkSchedulePlan as Plan,
+    )
+    from verl.models.mcore.model_forward_1f1b_overlap import (
+        gptmodel_forward_1f1b_overlap,
+    )
+
+    from mcore_hooks.testing import schedule_plan_on_cpu
+
+    cfg = TinyModelConfig(tied=case.tied, mtp_num_layers=case.mtp)
+    model = _tiny(cfg)
+    model.decoder.final_layernorm = None  # the plan applies no final norm after a dense layer (0.16+)
+    ids, masks, (w1, w2) = _samples(case, cfg.vocab_size)
+    b, s = len(ids), max(case.lengths)
+    input_ids = torch.zeros(b, s, dtype=torch.long)
+    labels = torch.zeros(b, s, dtype=torch.long)
+    attention_mask = torch.zeros(b, s, dtype=torch.bool)
+    labels_mask = torch.zeros(b, s, dtype=torch.bool)
+    for i, (seq, mask) in enumerate(zip(ids, masks)):
+        n = seq.numel()
+        input_ids[i, :n], labels[i, :n], attention_mask[i, :n], labels_mask[i, :n] = seq, seq.roll(-1), True, mask
+    weights = [torch.zeros(b, s), torch.zeros(b, s)]
+    weights[0][attention_mask], weights[1][attention_mask] = w1, w2
+    with schedule_plan_on_cpu():
+        plan = gptmodel_forward_1f1b_overlap(
+            model, input_ids, torch.arange(s).repeat(b, 1), attention_mask, labels=labels, labels_mask=labels_mask,
+            temperature=torch.tensor(case.temperature), calculate_entropy=True,
+        )
+        out = Plan.run(plan, None)
+        assert isinstance(out, tuple) and len(out) == 2, out
+        out = tuple(o.detach() for o in out)
+        Plan.run(None, plan, b_grad=tuple(weights))
+    return {"log_probs": out[0], "entropy": out[1], "attention_mask": attention_mask, "labels_mask": labels_mask,
+            "grads": _grads(model)}
+
+
+def _overlap_stock(case: Case) -> dict:
+    cfg = TinyModelConfig(tied=case.tied, mtp_num_layers=case.mtp)
+    stock = _tiny(cfg)
+    stock.decoder.final_layernorm = None
+    ids, masks, (w1, w2) = _samples(case, cfg.vocab_size)
+    lps, ents = [], []
+    for seq, mask, t in zip(ids, masks, case.temperature):
+        n = seq.numel()
+        causal = torch.ones(n, n, dtype=torch.bool).triu(1).view(1, 1, n, n)
+        logits = stock(input_ids=seq.unsqueeze(0), position_ids=torch.arange(n).unsqueeze(0),
+                       attention_mask=causal)[0].float()
+        logp = torch.log_softmax(logits / t, dim=-1)
+        lps.append(logp.gather(-1, seq.roll(-1).unsqueeze(-1)).squeeze(-1) * mask)  # 0 off the labels mask
+        ents.append(-(logp.exp() * logp).sum(-1))
+    lp, ent = torch.cat(lps), torch.cat(ents)
+    (lp * w1 + ent * w2).sum().backward()
+    return {"log_probs": lp.detach(), "entropy": ent.detach(), "grads": _grads(stock)}
+
+
+OVERLAP = Case("combined-1F1B plan, per-sample temperatures", (9, 5, 12), (0.7, 1.1, 0.9), tied=False, seed=6)
+
+
+def _rank(tree: str, fused: bool, cases: list, with_stock: bool, overlap: Case | None = None) -> dict:
+    """One rank: import verl from ``tree``, run ``cases`` through its engine (and stock Megatron
+    on the same ranks), and with ``overlap`` the 1F1B plan and the engine's rules."""
+    import verl_stubs
+
+    verl_stubs.use_verl_tree(tree)
+    from megatron.core import parallel_state as mpu
+
+    tp = mpu.get_tensor_model_parallel_world_size()
+    out: dict[str, Any] = {"verl": [_verl_case(fused, c) for c in cases]}
+    if with_stock:
+        out["stock"] = [_stock_case(c, tp) for c in cases]
+    if overlap is not None:  # the one-rank call of the patched tree
+        out["overlap"] = (_overlap_case(overlap), _overlap_stock(overlap))
+        out["rules"] = _engine_rules()
+    return out
+
+
+def _engine_rules() -> dict:
+    """The patched engine's choices that no forward shows: when fused kernels stay on, and the
+    temperature the fused forward gets."""
+    from verl.workers.engine.megatron import transformer_impl as impl
+
+    def fused_kept(mtp: bool, dynamic_cp: bool) -> bool:
+        model = _tiny(TinyModelConfig())
+        engine = _engine(impl.MegatronEngineWithLMHead, model, fused=True, case=Case("rules", (4,), (1.0,), mtp=int(mtp)))
+        engine.engine_config.dynamic_context_parallel = dynamic_cp
+        engine.module = [model]
+        engine._maybe_enable_fused_kernels()
+        return engine.engine_config.use_fused_kernels
+
+    resolve = impl._resolve_fused_temperature
+    return {
+        "mtp": fused_kept(True, False),
+        "mtp + dynamic CP": fused_kept(True, True),
+        "uniform": resolve(torch.tensor([0.7, 0.7, 0.7]), 3),
+        "per sample": resolve(torch.tensor([0.5, 0.0, 1.3]), 3),
+        "float": resolve(0.9, 4),
+    }
+
+
+# ---------------------------------------------------------------------------------- comparisons
+
+
+def _close(name: str, got: torch.Tensor, ref: torch.Tensor, atol: float) -> float:
+    err = (got.double() - ref.double()).abs().max().item()
+    assert got.shape == ref.shape and err <= atol, f"{name}: max |diff| {err:.3g} > {atol:.3g}"
+    return err
+
+
+def _close_grads(name: str, got: dict, ref: dict, extra_zero: bool = False) -> float:
+    """Every parameter's gradient, norm-wise relative; ``extra_zero``: gradients ``got`` has and
+    ``ref`` has not (None there) must be zero."""
+    missing = ref.keys() - got.keys()
+    assert not missing, f"{name}: no gradient for {sorted(missing)}"
+    extra = got.keys() - ref.keys()
+    assert not extra or extra_zero, f"{name}: gradients the reference has not: {sorted(extra)}"
+    for n in extra:
+        assert got[n].abs().max().item() <= ZERO_ATOL, f"{name}: {n} should get no gradient"
+    worst = 0.0
+    for n in ref:
+        rel = ((got[n].double() - ref[n].double()).norm() / ref[n].double().norm().clamp(min=1e-30)).item()
+        assert rel <= GRAD_RTOL, f"{name}: {n}: relative error {rel:.3g} > {GRAD_RTOL:.3g}"
+        worst = max(worst, rel)
+    return worst
+
+
+def _compare(name: str, got: dict, ref: dict, case: Case, grads: bool = True, extra_zero: bool = False) -> None:
+    _close(f"{name}: log-probs", _valid(case, got["log_probs"]), _valid(case, ref["log_probs"]), LOGPROB_ATOL)
+    _close(f"{name}: entropies", got["entropy"], ref["entropy"], ENTROPY_ATOL)
+    if grads:
+        _close_grads(f"{name}: gradients", got["grads"], ref["grads"], extra_zero)
+
+
+def _compare_mtp(name: str, got: dict, ref: dict) -> None:
+    assert got.keys() == ref.keys() and got, f"{name}: MTP tracker {sorted(got)} vs {sorted(ref)}"
+    for k in got:
+        _close(f"{name}: MTP tracker {k}", got[k], ref[k], LOGPROB_ATOL)
+
+
+@pytest.fixture(scope="module")
+def one_rank(trees):
+    patched = run_on_ranks(_rank, 1, trees.patched, True, ONE_RANK, True, OVERLAP)[0]
+    released = run_on_ranks(_rank, 1, trees.released, False, ONE_RANK, False)[0]
+    return patched, released
+
+
+@pytest.mark.parametrize("index", range(len(ONE_RANK)), ids=[c.name for c in ONE_RANK])
+def test_one_rank(one_rank, index):
+    """tp = cp = 1: the patched fused forward against verl's released non-fused forward (values,
+    every gradient, the logged MTP losses) and against stock Megatron (values; every gradient
+    where MTP is off: the stock reference runs no MTP)."""
+    case = ONE_RANK[index]
+    patched, released = one_rank
+    got, ref, stock = patched["verl"][index], released["verl"][index], patched["stock"][index]
+    # the fused forward gave the instance the hook (mcore-hooks' per-instance subclass); the
+    # released non-fused forward left the stock class
+    assert got["fused_class"].startswith("Hooked") and ref["fused_class"] == "GPTModel", (got["fused_class"], ref["fused_class"])
+    _compare(f"{case.name} vs released verl", got, ref, case, extra_zero=case.mtp > 0 and not case.mtp_train)
+    _compare(f"{case.name} vs stock", got, stock, case, grads=case.mtp == 0)
+    if case.mtp and case.mtp_train:
+        _compare_mtp(case.name, got["mtp"], ref["mtp"])
+        assert any(n.startswith("mtp.") for n in got["grads"])
+    if case.mtp and not case.mtp_train:
+        # released verl skips MTP without labels (no gradient, nothing logged); the fused forward
+        # runs it (Megatron does whenever the layers exist), logs its loss, and detaches it
+        assert not ref["mtp"] and got["mtp"]
+        assert all(got["grads"][n].abs().max() == 0 for n in got["grads"] if n.startswith("mtp."))
+
+
+def test_engine_rules(one_rank):
+    """Fused kernels stay on with MTP (the guard is gone) except with dynamic context parallelism
+    (Megatron's MTP rolls over the static CP group); a uniform temperature stays a float, a
+    per-sample one becomes one per sample, non-positive ones 1e-8 as in the non-fused path."""
+    rules = one_rank[0]["rules"]
+    assert rules["mtp"] is True and rules["mtp + dynamic CP"] is False
+    assert isinstance(rules["uniform"], float) and abs(rules["uniform"] - 0.7) < 1e-7
+    assert isinstance(rules["float"], float) and rules["float"] == pytest.approx(0.9)
+    torch.testing.assert_close(rules["per sample"], torch.tensor([0.5, 1e-8, 1.3]), rtol=0, atol=0)
+
+
+def test_combined_1f1b_schedule_plan(one_rank):
+    """``gptmodel_forward_1f1b_overlap`` through ``build_schedule_plan(output_processor=...)``: its
+    ``[b, s]`` outputs (0 off the labels mask and the padding) and every gradient, against stock."""
+    (got, stock) = one_rank[0]["overlap"]
+    attention, labels_mask = got["attention_mask"], got["labels_mask"]
+    assert (got["log_probs"][~labels_mask] == 0).all() and (got["entropy"][~attention] == 0).all()
+    _close("1F1B log-probs", got["log_probs"][attention], stock["log_probs"], LOGPROB_ATOL)
+    _close("1F1B entropies", got["entropy"][attention], stock["entropy"], ENTROPY_ATOL)
+    _close_grads("1F1B gradients", got["grads"], stock["grads"])
+
+
+def test_tensor_parallel_2_with_sequence_parallel(trees):
+    """TP 2 + SP: on each rank, values (the same on both) and every gradient shard against
+    released verl's on the same rank, and against stock Megatron's on the same rank; the
+    sequence-parallel parameters' gradients (norms, biases: each rank's is a partial sum over its
+    token shard, which the packed batch and stock's sequences cut differently) summed over the
+    ranks, as Megatron's finalize_model_grads all-reduces them."""
+    patched = run_on_ranks(_rank, 2, trees.patched, True, [TP2_SP], True, tp=2)
+    released = run_on_ranks(_rank, 2, trees.released, False, [TP2_SP], False, tp=2)
+    sp = patched[0]["verl"][0]["sp_params"]
+    assert sp, "no sequence-parallel parameter: is SP on?"
+    for rank, (p, r) in enumerate(zip(patched, released)):
+        _compare(f"rank {rank}: {TP2_SP.name} vs released verl", p["verl"][0], r["verl"][0], TP2_SP)
+        got = {**p["verl"][0], "grads": {n: g for n, g in p["verl"][0]["grads"].items() if n not in sp}}
+        stock = {**p["stock"][0], "grads": {n: g for n, g in p["stock"][0]["grads"].items() if n not in sp}}
+        _compare(f"rank {rank}: {TP2_SP.name} vs stock", got, stock, TP2_SP)
+    summed = lambda which: {n: sum(x[which][0]["grads"][n] for x in patched) for n in sp}
+    _close_grads(f"{TP2_SP.name}: sequence-parallel gradients vs stock", summed("verl"), summed("stock"))
+
+
+def test_context_parallel_2(trees):
+    """CP 2 (verl's zigzag THD split, its all-gather of the outputs): values on both ranks and
+    each rank's gradient against released verl's; the ranks' gradients summed (Megatron
+    all-reduces them over DP x CP) against stock Megatron's unsplit run."""
+    patched = run_on_ranks(_rank, 2, trees.patched, True, [CP2], False, tp=1, cp=2)
+    released = run_on_ranks(_rank, 2, trees.released, False, [CP2], False, tp=1, cp=2)
+    for rank, (p, r) in enumerate(zip(patched, released)):
+        _compare(f"rank {rank}: {CP2.name} vs released verl", p["verl"][0], r["verl"][0], CP2)
+    with model_parallel(tp=1):
+        stock = _stock_case(CP2, 1)
+    summed = {n: sum(p["verl"][0]["grads"][n] for p in patched) for n in patched[0]["verl"][0]["grads"]}
+    _compare(f"{CP2.name} vs stock", {**patched[0]["verl"][0], "grads": summed}, stock, CP2)
