@@ -11,7 +11,7 @@ one :func:`shared_routes` block (one model forward with its MTP depths). Eager, 
 side effects (the flag DDP reads, the placeholder) run in a custom op. A compiled backward is
 traced once and replays no Python side effect: there the weight is not marked, and DDP gets a
 gradient it adds itself (zeros, or another op's). CUDA graphs are refused (the kernels'
-``check_accumulator_kept``).
+``guards.check_accumulator_kept``).
 """
 
 from __future__ import annotations

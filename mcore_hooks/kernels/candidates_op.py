@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from . import autograd as ag
+from . import guards
 from . import comm
 from . import candidates as cand
 from .dispatch import call, custom_op, register_autograd
@@ -29,7 +30,7 @@ def candidate_logits(
     ``backend``: whose gathered dot products to use (``Backend.gathered_dots``); ``compiled``
     as :func:`logsoftmax_stats`'s."""
     if accumulator is not None and compiled:
-        ag.check_accumulator_kept()
+        guards.check_accumulator_kept()
     pg = _group(group)
     x = comm.gather_tokens(hidden, pg) if sequence_parallel else hidden
     logits = cand.candidate_logits(x, weight, coef, ids, vocab_start, chunk_size, invariant(backend),
@@ -94,7 +95,7 @@ def _candidate_backward(ctx, d_logits, _):
                                        need_w, acc, ctx.invariant)
     dx = dx.view(ctx.hidden_shape) if need_x else None
     if acc is not None:
-        dw = ag.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None
+        dw = guards.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None
     elif not need_w:
         dw = None
     return (dx, dw) + (None,) * 10

@@ -35,7 +35,8 @@ from typing import Optional
 
 import torch
 
-from .autograd import Backend, FusedLoss, LocalStats, adding_into
+from .autograd import Backend, FusedLoss, LocalStats
+from .guards import adding_into
 
 # Tokens per block on a GPU: one block's GEMMs run near peak (an H100/H200).
 BLOCK = 2048

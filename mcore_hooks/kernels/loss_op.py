@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from . import autograd as ag
+from . import guards
 from . import comm
 from .debug import check_values
 from .dispatch import call, custom_op, register_autograd, tracing
@@ -174,7 +175,7 @@ def fused_token_loss(
     ``placeholder`` and ``compiled`` as :func:`logsoftmax_stats`'s) is for the backward alone,
     which adds the upstream gradient times dW into it."""
     if accumulator is not None and compiled:
-        ag.check_accumulator_kept()
+        guards.check_accumulator_kept()
     return _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel,
                        chunk_size, backend, None, None, token_weight, policy, inputs, need_x, need_w)
 
@@ -268,10 +269,10 @@ def _fused_backward(ctx, grad, *_):
     if ctx.needs_input_grad[1] and dw32.numel() and ctx.accumulator is not None:
         call(accumulate_weight_grad_, ctx.accumulator, dw32, x, grad)
         if ctx.placeholder:
-            dw = ag.placeholder_grad_like(ctx.weight_shape, ctx.dtype, dw32.device)
+            dw = guards.placeholder_grad_like(ctx.weight_shape, ctx.dtype, dw32.device)
     elif ctx.needs_input_grad[1] and dw32.numel():
         dw = _scaled(dw32, grad, ctx.dtype) if x is None else _weight_grad(dw32, x, grad)
-    dx, dw = ag.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw, anchor=anchor)
+    dx, dw = guards.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw, anchor=anchor)
     # one entry per input, a list for the list of tensors
     return (dx, dw) + (None,) * 10 + ([None] * ctx.num_inputs, None, None, None, None, None)
 
@@ -308,7 +309,7 @@ class _FusedIntoAccumulator(torch.autograd.Function):
     def forward(ctx, hidden, weight, args: tuple, placeholder: bool):
         loss, logprob, entropy, dx32, _ = call(fused_token_loss_into_, hidden, weight, *args)
         if args[-1]:  # need_w: the weight's gradient went into the accumulator
-            ag.expect_backward(ctx)
+            guards.expect_backward(ctx)
         # dX's float32 rows: an output too (the caller drops it), first_order's anchor, where
         # the loss may be divided in place before its backward
         ctx.save_for_backward(dx32)
@@ -322,17 +323,17 @@ class _FusedIntoAccumulator(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *_):
-        ag.backward_ran(ctx)
+        guards.backward_ran(ctx)
         anchor, = ctx.saved_tensors
         dx32 = anchor.detach()
         if grad is None:  # not materialised (see forward): the loss itself took none
             grad = torch.zeros((), dtype=_F32, device=dx32.device)
         dw = None
         if ctx.needs_input_grad[1]:
-            ag.check_upstream_grad(grad, ctx.upstream_grad)
+            guards.check_upstream_grad(grad, ctx.upstream_grad)
             if ctx.placeholder:
-                dw = ag.placeholder_grad_like(ctx.weight_shape, ctx.dtype, grad.device)
-        return ag.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw, anchor=anchor) + (None, None)
+                dw = guards.placeholder_grad_like(ctx.weight_shape, ctx.dtype, grad.device)
+        return guards.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw, anchor=anchor) + (None, None)
 
 
 def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Tensor,
@@ -368,7 +369,7 @@ class LinearFusedLoss(torch.autograd.Function):
         r = _backend(p.backend, hidden.device).fused_loss(x, weight, p, local_label, token_loss,
                                                           need_x, need_w)
         if need_w and p.upstream_grad is not None and p.weight_grad_accumulator is not None:
-            ag.expect_backward(ctx)
+            guards.expect_backward(ctx)
         total = r.loss.sum()
         # first_order's anchor: an output the caller drops (the loss may be divided in place
         # before its backward, as Megatron's schedule does); empty, so nothing is kept for it
@@ -383,7 +384,7 @@ class LinearFusedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _d_logprob, _d_entropy, _d_anchor):
-        ag.backward_ran(ctx)
+        guards.backward_ran(ctx)
         dx32, dw32, anchor = ctx.saved_tensors
         if grad is None:  # not materialised (see forward): the loss itself took none
             grad = torch.zeros((), dtype=torch.float32, device=anchor.device)
@@ -396,7 +397,7 @@ class LinearFusedLoss(torch.autograd.Function):
         if dw32 is not None:
             dw = _scaled(dw32, grad, ctx.dtype)
         elif p.upstream_grad is not None and ctx.needs_input_grad[1]:
-            ag.check_upstream_grad(grad, p.upstream_grad)
+            guards.check_upstream_grad(grad, p.upstream_grad)
             if p.dummy_weight_grad:
-                dw = ag.placeholder_grad_like(ctx.weight_shape, ctx.dtype, grad.device)
-        return ag.first_order(_FUSED_NAME, dx, dw, anchor=anchor) + (None, None, None, None)
+                dw = guards.placeholder_grad_like(ctx.weight_shape, ctx.dtype, grad.device)
+        return guards.first_order(_FUSED_NAME, dx, dw, anchor=anchor) + (None, None, None, None)

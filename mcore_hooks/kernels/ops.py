@@ -21,6 +21,9 @@ dispatcher's own work was more than the GPU's at small calls).
   declared upstream gradient, ``accumulate_weight_grad_``), per-token terms (``token_terms``);
 * here: ``all_reduce_`` / ``reduce_scatter_tokens``, the hidden-state gradient's reduction,
   which a backward traced by AOTAutograd cannot issue on a process group object itself.
+
+Their formulas keep the contracts of :mod:`.guards` (an accumulator added into exactly once,
+gradients formed in the forward never differentiated again).
 """
 
 from __future__ import annotations

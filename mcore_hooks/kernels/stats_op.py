@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import autograd as ag
+from . import guards
 from . import comm
 from . import candidates as cand
 from .dispatch import call, custom_op, register_autograd
@@ -30,9 +30,9 @@ def logsoftmax_stats(
     label's (empty without). ``accumulator`` and ``placeholder`` are for the backward alone
     (where the weight's gradient goes; whether the weight then gets a zero-stride placeholder).
     ``compiled``: traced by ``torch.compile`` (where the accumulator is one of the graph's
-    saved tensors: :func:`~.autograd.check_accumulator_kept`)."""
+    saved tensors: :func:`~.guards.check_accumulator_kept`)."""
     if accumulator is not None and compiled:
-        ag.check_accumulator_kept()
+        guards.check_accumulator_kept()
     pg = _group(group)
     x = comm.gather_tokens(hidden, pg) if sequence_parallel else hidden
     impl = _backend(backend, hidden.device)
@@ -130,7 +130,7 @@ def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gather
                   extra if e_g is not None else None)
     dx = dx.view(ctx.hidden_shape) if need_x else None
     if acc is not None:
-        dw = ag.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None
+        dw = guards.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None
     elif not need_w:
         dw = None
     return (dx, dw) + (None,) * 12
