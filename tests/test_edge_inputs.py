@@ -293,3 +293,71 @@ def test_a_loss_divided_in_place_before_its_backward(case):
         grads.append((x.grad, w.grad, acc))
     for a, b in zip(*grads):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_requests_truncation_is_its_own_beside_wider_ones(engine):
+    """Per-request ``top_k``: the kept set's width is the call's largest, and the width chose
+    how the kept logits were made (gathered rows up to ``V / 1024``, a dense product beyond):
+    a request with ``top_k=8`` alone and beside ones with 20/40/60 differed (4.8e-7 in log-prob
+    and entropy, every dX row; here dX's rows, 2.4e-7). Tokens are now grouped by their own
+    width, each group's set as wide as its own options make it."""
+    v, h, per = 65536, 16, 8  # alone: 33 kept columns, gathered (<= V / 1024); beside: 81, dense
+    g = torch.Generator().manual_seed(21)
+    w0 = torch.randn(v, h, generator=g) / 2
+    x0 = torch.randn(4 * per, h, generator=g)
+    y = torch.randint(0, v, (4 * per,), generator=g)
+
+    def run(ks):
+        n = per * len(ks)
+        x, w = x0[:n].clone().requires_grad_(), w0.clone().requires_grad_()
+        # the requests interleaved: a request's tokens need not be contiguous
+        order = torch.arange(n).view(len(ks), per).t().reshape(-1)
+        t = Truncation(top_k=torch.tensor(ks).repeat_interleave(per)[order], top_p=0.95, engine=engine)
+        temperature = torch.linspace(0.6, 1.3, 4 * per)[:n][order]  # each token its own
+        r = linear_logprob_entropy(x[order], w, y[:n][order], truncation=t, temperature=temperature,
+                                   backend="torch")
+        (r.logprob.sum() + r.entropy.sum()).backward()
+        mine = (order < per).nonzero().squeeze(1)  # the first request's tokens, in its order
+        mine = mine[order[mine].argsort()]
+        return (r.logprob[mine], r.entropy[mine], r.label_outside[mine], x.grad[:per])
+
+    alone = run([8])
+    for others in ([8, 20, 40, 60], [8, -1, 3], [8, 8]):
+        beside = run(others)
+        for name, a, b in zip(("logprob", "entropy", "label_outside", "dX"), alone, beside):
+            assert torch.equal(a, b), f"{others} {name}: {(a.float() - b.float()).abs().max().item():.3g}"
+
+
+def test_a_request_without_top_k_does_not_widen_the_others(monkeypatch):
+    """``top_k=-1`` (vLLM's default: none) in one request made every token's kept set the
+    whole vocabulary (``[tokens, V]`` kept logits for all). Its tokens are now a group of their
+    own: the others' kept logits stay as narrow as their own options."""
+    from mcore_hooks.kernels import candidates_op
+
+    shapes = []
+    real = candidates_op.logits_of
+
+    def spy(hidden, weight, ids, p):
+        shapes.append(tuple(ids.shape))
+        return real(hidden, weight, ids, p)
+
+    monkeypatch.setattr(candidates_op, "logits_of", spy)
+    v, per = 512, 6
+    x, w, y = _data(n=2 * per, h=8, v=v, seed=3)
+    t = Truncation(top_k=[8] * per + [-1] * per, top_p=0.9)
+    linear_logprob_entropy(x, w, y, truncation=t, backend="torch")
+    assert sorted(shapes) == [(per, 48), (per, 528)], shapes  # 8 + 16 ties + the label, to 16s
+
+
+def test_a_groups_error_names_the_token_in_the_call():
+    """An error in one width's group names the token's place in the call, not in its group."""
+    g = torch.Generator().manual_seed(5)
+    v, h = 64, 4
+    w = torch.randn(v, h, generator=g)
+    w[:10] = 10 * torch.ones(h)  # ten tied logits, the largest of every token
+    x = torch.rand(4, h, generator=g) + 0.5
+    y = torch.zeros(4, dtype=torch.long)
+    t = Truncation(top_k=[20, 20, 20, 2], ties=1)  # the last: ties beyond its set of 3
+    with pytest.raises(ValueError, match="truncation: token 3: its top_k 2"):
+        linear_logprob_entropy(x, w, y, truncation=t, backend="torch")

@@ -405,3 +405,30 @@ def test_integer_per_request_options_in_a_processor():
     out = LogprobEntropyProcessor(kept_set=Truncation(top_k=[5, 6], top_p=[1, 1], min_p=[0, 0]))(
         **hook_keywords(hidden, layer, labels=labels))
     assert torch.isfinite(out["logprobs"]).all()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_samples_truncation_through_a_processor_is_its_own_beside_wider_ones(engine):
+    """A processor's per-sample ``top_k`` (unpacked ``[b, s]``) stays on the host, one per
+    token, so the kernels group tokens by their own width: a sample's log-probs, entropies and
+    hidden-state gradient are the same bits alone and beside samples with wider top-k (the
+    width decides how the kept logits are made; at V = 65536, 33 columns gather, 81 do not)."""
+    s, v, h = 5, 65536, 8
+    g = torch.Generator().manual_seed(6)
+    layer = torch.nn.Linear(h, v, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(v, h, generator=g) / 2)
+    hidden0 = torch.randn(s, 3, h, generator=g)
+    labels0 = torch.randint(0, v, (3, s), generator=g)
+
+    def run(ks):
+        b = len(ks)
+        hidden = hidden0[:, :b].clone().requires_grad_()
+        proc = LogprobEntropyProcessor(kept_set=Truncation(top_k=ks, top_p=0.9, engine=engine))
+        out = proc(**hook_keywords(hidden, layer, labels=labels0[:b]))
+        (out["logprobs"].sum() + out["entropy"].sum()).backward()
+        return out["logprobs"][0], out["entropy"][0], hidden.grad[:, 0]
+
+    alone, beside = run([8]), run([8, 60, -1])
+    for name, a, b in zip(("logprobs", "entropy", "dX"), alone, beside):
+        assert torch.equal(a, b), f"{name}: {(a - b).abs().max().item():.3g}"

@@ -126,7 +126,8 @@ def linear_logprob_entropy(
         batch_invariant: each token's results and its row of the hidden states' gradient
             bitwise independent of the other tokens in the call, of their number and of the
             chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
-            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (each
+            ``K``; with a ``truncation``, whose per-request ``top_k`` is on the host, also
+            beside requests of other widths; :mod:`.invariant`). The Triton backend's passes are so as they are (each
             token's sums in one fixed shape, dX's too); the torch
             backend, and the BLAS products of either (wide id sets, the truncation's
             statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU,
@@ -167,20 +168,24 @@ def linear_logprob_entropy(
         return _no_tokens(hidden, weight, labels is not None,
                           None if selected_ids is None else selected_ids.shape[1], kept)
     if kept:
-        if truncation is not None:
-            ids, outside, bad = _truncated(hidden, weight, p, truncation)
-        else:
-            ids, bad = _id_matrix("kept_ids", kept_ids, p.n, v_total, hidden.device, p.valid)
-            cand.check_kept_ids(ids, p.labels, p.valid, v_total)
-            found, _ = cand.label_columns(ids, p.labels)
-            outside = p.valid & ~found & (ids >= 0).any(dim=1)  # refused where checked
-            # unchecked: NaN there, its gradients too (NaN coefficients: never dropped silently)
-            bad = bad | outside
-        p = _nan_where(p, bad)
-        if ops.invariant(p.backend):
-            ids = cand.aligned_columns(ids)
-        r = cand.kept_stats(candidates_op.logits_of(hidden, weight, ids, p), ids, p.labels, p.valid)
-        return LogprobEntropy(r.logprob, r.entropy, r.logz, r.label_is_argmax, label_outside=outside)
+        groups = None
+        if truncation is not None and ops.invariant(p.backend) and not parallel.sequence_parallel:
+            groups = truncation._groups(p.n, v_total)
+        if groups is not None:  # each request's kept set as wide as its own options make it
+            def group(index: torch.Tensor, t: Truncation) -> LogprobEntropy:
+                i = index.to(hidden.device)
+                temp = temperature
+                if isinstance(temp, torch.Tensor) and temp.dim() == 1 and temp.shape[0] == p.n:
+                    temp = temp[i.to(temp.device)]
+                h = hidden.index_select(0, i)
+                pg = _prepare(h, weight, labels[i.to(labels.device)], temp, logit_scale, ignore_index,
+                              parallel, chunk_size, backend, accumulator=weight_grad_accumulator,
+                              dummy_weight_grad=placeholder_weight_grad, batch_invariant=batch_invariant)
+                return _renormalised(h, weight, pg, t, None, v_total, index)
+
+            return _merged([group(index, t) for index, t in groups], [index for index, _ in groups],
+                           hidden.device)
+        return _renormalised(hidden, weight, p, truncation, kept_ids, v_total)
     if selected_ids is not None:
         ids, bad = _id_matrix("selected_ids", selected_ids, p.n, v_total, hidden.device, p.valid)
         return _selected(hidden, weight, _nan_where(p, bad), ids, with_label=labels is not None)
@@ -209,12 +214,47 @@ def _no_tokens(hidden: torch.Tensor, weight: torch.Tensor, with_labels: bool,
                           none if with_labels else None, selected, none if kept else None)
 
 
+def _renormalised(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
+                  truncation: Optional[Truncation], kept_ids: Optional[torch.Tensor], v_total: int,
+                  index: Optional[torch.Tensor] = None) -> LogprobEntropy:
+    """:class:`LogprobEntropy` of the distribution renormalised over each token's kept set, a
+    truncation's or ``kept_ids``. ``index``: the tokens' places in the caller's call (a group's:
+    errors name those)."""
+    if truncation is not None:
+        ids, outside, bad = _truncated(hidden, weight, p, truncation, index)
+    else:
+        ids, bad = _id_matrix("kept_ids", kept_ids, p.n, v_total, hidden.device, p.valid)
+        cand.check_kept_ids(ids, p.labels, p.valid, v_total)
+        found, _ = cand.label_columns(ids, p.labels)
+        outside = p.valid & ~found & (ids >= 0).any(dim=1)  # refused where checked
+        # unchecked: NaN there, its gradients too (NaN coefficients: never dropped silently)
+        bad = bad | outside
+    p = _nan_where(p, bad)
+    if ops.invariant(p.backend):
+        ids = cand.aligned_columns(ids)
+    r = cand.kept_stats(candidates_op.logits_of(hidden, weight, ids, p), ids, p.labels, p.valid)
+    return LogprobEntropy(r.logprob, r.entropy, r.logz, r.label_is_argmax, label_outside=outside)
+
+
+def _merged(parts: list[LogprobEntropy], indices: list[torch.Tensor], device: torch.device) -> LogprobEntropy:
+    """The groups' results in the call's token order (each token in one group: its values,
+    and through the gather its gradient, as its group gave them)."""
+    order = torch.argsort(torch.cat(indices)).to(device)  # on the host: no device read
+
+    def field(name: str) -> torch.Tensor:
+        return torch.cat([getattr(r, name) for r in parts]).index_select(0, order)
+
+    return LogprobEntropy(field("logprob"), field("entropy"), field("logz"), field("label_is_argmax"),
+                          label_outside=field("label_outside"))
+
+
 def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
-               t: Truncation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               t: Truncation, index: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(kept ids [N, width + 1], label outside [N], bad [N])``: the kept set of a truncation
     of these logits by its engine's rule, the label added where the rule dropped it (no
     gradient: a selection); which labels that was; which tokens cannot be answered (ties
-    beyond the width, options out of range)."""
+    beyond the width, options out of range). ``index``: the tokens' places in the caller's
+    call, for errors."""
     _, tp = group_rank_size(p.group)
     v_total = weight.shape[0] * tp
     opts = t._per_token(p.n, hidden.device, v_total)
@@ -230,11 +270,12 @@ def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
     bad = (overflow | opts.bad) & p.valid
     if check_values(bad) and bool(bad.any()):
         i = int(bad.nonzero()[0])
+        place = i if index is None else int(index[i])
         why = ("its top-k options are out of range" if bool(opts.bad[i]) else
                f"its top_k {int(opts.top_k[i])} (or the logits tied with its {int(opts.top_k[i])}-th "
                f"largest, which vLLM's rule keeps) does not fit the kept set's width "
                f"{width}; raise Truncation.ties (now {t.ties}) or max_top_k")
-        raise ValueError(f"truncation: token {i}: {why}")
+        raise ValueError(f"truncation: token {place}: {why}")
     kept, outside = cand.with_labels(kept, p.labels, p.valid)
     return kept, outside, bad
 
@@ -321,7 +362,8 @@ def linear_cross_entropy(
         batch_invariant: each token's results and its row of the hidden states' gradient
             bitwise independent of the other tokens in the call, of their number and of the
             chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
-            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (each
+            ``K``; with a ``truncation``, whose per-request ``top_k`` is on the host, also
+            beside requests of other widths; :mod:`.invariant`). The Triton backend's passes are so as they are (each
             token's sums in one fixed shape, dX's too); the torch
             backend, and the BLAS products of either (wide id sets, the truncation's
             statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU,
@@ -419,7 +461,8 @@ def linear_policy_loss(
         batch_invariant: each token's results and its row of the hidden states' gradient
             bitwise independent of the other tokens in the call, of their number and of the
             chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
-            ``K``; :mod:`.invariant`). The Triton backend's passes are so as they are (each
+            ``K``; with a ``truncation``, whose per-request ``top_k`` is on the host, also
+            beside requests of other widths; :mod:`.invariant`). The Triton backend's passes are so as they are (each
             token's sums in one fixed shape, dX's too); the torch
             backend, and the BLAS products of either (wide id sets, the truncation's
             statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU,

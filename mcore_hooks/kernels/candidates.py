@@ -321,8 +321,12 @@ class Truncation:
     Attributes:
         top_k: tokens kept by top-k; ``<= 0`` or more than the vocabulary means none (as vLLM
             normalises it). Required: it bounds the kept set the kernels gather. Per request, a
-            list or a CPU tensor (its largest value sizes the set, read on the host), or a
-            device tensor with ``max_top_k``.
+            list or a CPU tensor: batch-invariant, the tokens grouped by their own set's width
+            (a request's results the same bits beside requests with a wider top-k, or none; a
+            request without top-k widens only its own tokens' sets to the vocabulary), one pass
+            a width; or a device tensor with ``max_top_k``, which sizes every token's set (its
+            widths are never read from the device). Processors keep a per-sample top-k on the
+            host for unpacked batches; a packed batch's is spread on the device.
         top_p: the nucleus mass, in ``(0, 1]`` (1: off).
         min_p: the minimum probability relative to the most likely token, in ``[0, 1]`` (0: off).
         engine: ``"vllm"`` or ``"sglang"``: whose rule.
@@ -379,6 +383,39 @@ class Truncation:
         # room for the label's ties (see truncate)
         ties = max(1, self.ties) if self.engine == "vllm" else self.ties
         return max(1, min(v_total, k + ties))
+
+    def _groups(self, n: int, v_total: int) -> Optional[list[tuple[torch.Tensor, "Truncation"]]]:
+        """The tokens grouped by their own kept set's width, where each token's ``top_k`` is on
+        the host (a list or a CPU tensor of ``n``) and more than one width occurs: ``[(the
+        group's token indices (CPU), its options)]``, so that a token's set is as wide as its
+        own options make it, never as a wider request beside it makes it (the width decides
+        how its logits are made, and so their bits). Else None: one width, or a device top-k
+        (its widths are not read from the device)."""
+        top_k = self.top_k
+        if isinstance(top_k, int) or self.max_top_k is not None or (
+                isinstance(top_k, torch.Tensor) and top_k.device.type != "cpu"):
+            return None
+        k = torch.as_tensor(top_k, dtype=torch.long)
+        if k.shape != (n,):
+            return None  # one per token or refused (_per_token names it)
+        ties = max(1, self.ties) if self.engine == "vllm" else self.ties
+        width = (torch.where((k <= 0) | (k > v_total), v_total, k) + ties).clamp(1, v_total)
+        widths = width.unique()
+        if widths.numel() < 2:
+            return None
+
+        def part(value: Values, index: torch.Tensor) -> Values:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return value
+            t = torch.as_tensor(value)
+            return t[index.to(t.device)]
+
+        groups = []
+        for w in widths.tolist():
+            index = (width == w).nonzero().squeeze(1)
+            groups.append((index, dataclasses.replace(self, top_k=k[index], top_p=part(self.top_p, index),
+                                                      min_p=part(self.min_p, index))))
+        return groups
 
     def _per_token(self, n: int, device: torch.device, v_total: int) -> "TokenTruncation":
         """The options as ``[n]`` tensors on ``device`` (one value, or one per token), top-k

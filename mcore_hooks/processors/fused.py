@@ -43,7 +43,7 @@ from ..kernels.losses import group_sum
 from ..kernels.options import is_finite
 from ..mtp import MTPDepth, MTPLoss, fused_mtp_loss
 from ..postprocess import PostprocessContext, PostprocessProcessor
-from .labels import labels_from_input_ids, per_request, per_token_temperature
+from .labels import is_thd, labels_from_input_ids, per_request, per_token_temperature
 
 KeptSet = Union[None, Literal["replay"], Truncation]
 
@@ -69,24 +69,33 @@ def _per_token_ids(name: str, t: Any, b: int, s: int) -> torch.Tensor:
 def _per_token_truncation(t: Truncation, ctx: PostprocessContext, b: int, s: int) -> Truncation:
     """``t`` with each per-request option (one per sample, or per packed sequence) spread over
     this call's tokens, on the hidden states' device; the kept set's width read from the
-    per-request top-k on the host, where it was given."""
-    def spread(name: str) -> Any:
+    per-request top-k on the host, where it was given. A per-sample top-k given on the host
+    stays there, one per token (unpacked batches: their tokens' samples are known on the host),
+    so that the kernels group the tokens by their own width (batch invariance across requests
+    of different top-k); packed ones' sequences are known on the device only."""
+    def spread(name: str, device: Optional[torch.device]) -> Any:
         value = getattr(t, name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return value
         dtype = torch.long if name == "top_k" else torch.float32  # [0, 0] is a float option too
         return per_request(f"kept_set.{name}", torch.as_tensor(value, dtype=dtype), b, s,
-                           ctx.packed_seq_params, ctx.cp_size, ctx.hidden_states.device)
+                           ctx.packed_seq_params, ctx.cp_size, device)
 
     if all(isinstance(getattr(t, f), (int, float)) for f in ("top_k", "top_p", "min_p")):
         return t
-    top_k = spread("top_k")
+    device = ctx.hidden_states.device
+    on_host = not (isinstance(t.top_k, torch.Tensor) and t.top_k.device.type != "cpu") and not is_thd(
+        ctx.packed_seq_params)
+    if on_host and not isinstance(t.top_k, int):
+        return dataclasses.replace(t, top_k=spread("top_k", torch.device("cpu")),
+                                   top_p=spread("top_p", device), min_p=spread("min_p", device))
+    top_k = spread("top_k", device)
     width = t.max_top_k
     if not isinstance(top_k, int) and width is None:  # the host's copy: no device read
         ks = t.top_k.tolist() if isinstance(t.top_k, torch.Tensor) else list(t.top_k)
         # <= 0 means none: the whole vocabulary (the kernel caps the width at it)
         width = max(int(k) if int(k) > 0 else 1 << 62 for k in ks)
-    return dataclasses.replace(t, top_k=top_k, top_p=spread("top_p"), min_p=spread("min_p"),
+    return dataclasses.replace(t, top_k=top_k, top_p=spread("top_p", device), min_p=spread("min_p", device),
                                max_top_k=None if isinstance(top_k, int) else width)
 
 

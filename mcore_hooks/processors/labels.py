@@ -22,8 +22,12 @@ import torch
 from ..debug import check_values
 
 
-def _is_thd(packed_seq_params: Any) -> bool:
+def is_thd(packed_seq_params: Any) -> bool:
+    """Whether the batch is packed (THD): its tokens' sequences are then known on the device."""
     return getattr(packed_seq_params, "qkv_format", None) == "thd"
+
+
+_is_thd = is_thd
 
 
 def _packed_offsets(packed_seq_params: Any, device: torch.device) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
