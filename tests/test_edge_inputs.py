@@ -361,3 +361,36 @@ def test_a_groups_error_names_the_token_in_the_call():
     t = Truncation(top_k=[20, 20, 20, 2], ties=1)  # the last: ties beyond its set of 3
     with pytest.raises(ValueError, match="truncation: token 3: its top_k 2"):
         linear_logprob_entropy(x, w, y, truncation=t, backend="torch")
+
+
+def test_a_truncation_that_keeps_everything_takes_the_full_distribution(monkeypatch):
+    """vLLM's defaults (no top-k, ``top_p = 1``, ``min_p = 0``) keep the whole vocabulary: those
+    tokens take the statistics pass (no ``[tokens, V]`` kept set), equal to the kept-set path
+    to float32 rounding and to the plain full-vocabulary call bit for bit; beside a truncated
+    request, only that request's tokens build a kept set."""
+    from mcore_hooks.kernels import candidates_op
+
+    v, per = 300, 5
+    x0, w0, y = _data(n=2 * per, h=8, v=v, seed=9)
+    full = linear_logprob_entropy(x0, w0, y, backend="torch", temperature=0.8)
+    shapes = []
+    real = candidates_op.logits_of
+    monkeypatch.setattr(candidates_op, "logits_of",
+                        lambda h, w, ids, p: shapes.append(tuple(ids.shape)) or real(h, w, ids, p))
+    r = linear_logprob_entropy(x0, w0, y, backend="torch", temperature=0.8, truncation=Truncation(top_k=-1))
+    assert shapes == [] and not r.label_outside.any()
+    for name in ("logprob", "entropy", "logz", "label_is_argmax"):
+        assert torch.equal(getattr(r, name), getattr(full, name)), name
+    mixed = linear_logprob_entropy(x0, w0, y, backend="torch", temperature=0.8,
+                                   truncation=Truncation(top_k=[0] * per + [7] * per, top_p=[1.0] * per + [0.9] * per))
+    assert shapes == [(per, 48)], shapes  # the truncated request's: 7 + 16 ties to 32, + the label, to 48
+    assert torch.equal(mixed.logprob[:per], full.logprob[:per])
+    # the kept-set path over the whole vocabulary (the width given on the device) agrees
+    wide = linear_logprob_entropy(x0, w0, y, backend="torch", temperature=0.8,
+                                  truncation=Truncation(top_k=torch.zeros(2 * per, dtype=torch.long), max_top_k=v))
+    # each path within tolerances.logprob_error of float64 (its first-order bound, times C):
+    # so the two within twice that
+    from tolerances import C, logit_grad_reference, logprob_error
+
+    bound = logprob_error(logit_grad_reference(x0, w0, y, lambda lp, ent: lp, temperature=0.8), x0, w0)
+    assert ((wide.logprob - full.logprob).abs().double() <= 2 * C * bound.squeeze(1)).all()

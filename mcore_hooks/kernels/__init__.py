@@ -220,6 +220,11 @@ def _renormalised(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
     """:class:`LogprobEntropy` of the distribution renormalised over each token's kept set, a
     truncation's or ``kept_ids``. ``index``: the tokens' places in the caller's call (a group's:
     errors name those)."""
+    if truncation is not None and truncation._keeps_everything(v_total):
+        # no truncation (vLLM's defaults): the set is the vocabulary, its distribution the full
+        # one, from the statistics pass (no [tokens, vocab] kept set)
+        logprob, entropy, logz, best = stats_op.stats(hidden, weight, p)
+        return LogprobEntropy(logprob, entropy, logz, best, label_outside=torch.zeros_like(p.valid))
     if truncation is not None:
         ids, outside, bad = _truncated(hidden, weight, p, truncation, index)
     else:

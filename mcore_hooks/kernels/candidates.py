@@ -384,6 +384,20 @@ class Truncation:
         ties = max(1, self.ties) if self.engine == "vllm" else self.ties
         return max(1, min(v_total, k + ties))
 
+    def _keeps_everything(self, v_total: int) -> bool:
+        """Whether vLLM's rule keeps every token's whole vocabulary, as read on the host: no
+        top-k (``<= 0`` or past the vocabulary), ``top_p = 1`` and ``min_p = 0`` everywhere
+        (vLLM's defaults). False where an option is on the device (never read from there)."""
+        def host(value: Values) -> Optional[torch.Tensor]:
+            if isinstance(value, torch.Tensor):
+                return value if value.device.type == "cpu" else None
+            return torch.as_tensor(value)
+
+        k, p, m = host(self.top_k), host(self.top_p), host(self.min_p)
+        return (self.engine == "vllm" and self.max_top_k is None and k is not None and p is not None
+                and m is not None and bool(((k <= 0) | (k >= v_total)).all()) and bool((p == 1).all())
+                and bool((m == 0).all()))
+
     def _groups(self, n: int, v_total: int) -> Optional[list[tuple[torch.Tensor, "Truncation"]]]:
         """The tokens grouped by their own kept set's width, where each token's ``top_k`` is on
         the host (a list or a CPU tensor of ``n``) and more than one width occurs: ``[(the
