@@ -11,12 +11,19 @@ and does all three with one call, on Megatron Core 0.13-0.19::
     from mcore_hooks import enable_output_processor
     from mcore_hooks.integrations.verl import FusedOutputProcessorContext, VerlFusedProcessor
 
-    model = enable_output_processor(model)   # nothing added on 0.18+ (unless MTP is on)
+    model = enable_output_processor(model)   # switches this instance's class (see below)
     output = model(input_ids=input_ids_rmpad, position_ids=None, attention_mask=None,
                    packed_seq_params=packed_seq_params, labels=labels_rmpad,
                    output_processor=VerlFusedProcessor(),
                    output_processor_context=FusedOutputProcessorContext(temperature=0.7))
     output.log_probs, output.entropy   # float32, one per token of the packed (THD) batch
+
+``enable_output_processor`` switches the instance's class to a subclass on every release: below
+0.18 one adding the hook; on 0.18+ one whose ``forward`` and ``build_schedule_plan`` pass through
+to the native hook, adding, for each call only, the MTP loss stand-ins when MTP is on and
+Megatron's ``process_mtp_loss`` takes no per-depth loss (the depths' loss through the processor's
+fused kernel: :mod:`mcore_hooks.mtp`) and, on a schedule plan, a post-process backward over only
+the outputs the loss used.
 
 The contract, as verl's ``fused_output_processor`` has it: the labels are the caller's (already
 rolled, e.g. verl's ``preprocess_thd_engine(..., need_roll=True)``); ``log_probs`` and
