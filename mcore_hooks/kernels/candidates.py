@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 import torch
 
 from .debug import check_values
+from .dispatch import tracing
 from .invariant import block_rows
 from .matmul import addmm_f32_, bmm_f32, mm_f32
 from .options import is_finite
@@ -321,7 +322,7 @@ class Truncation:
     Attributes:
         top_k: tokens kept by top-k; ``<= 0`` or more than the vocabulary means none (as vLLM
             normalises it). Required: it bounds the kept set the kernels gather. Per request, a
-            list or a CPU tensor: batch-invariant, the tokens grouped by their own set's width
+            list or a CPU tensor: batch-invariant in eager calls, the tokens grouped by their own set's width
             (a request's results the same bits beside requests with a wider top-k, or none; a
             request without top-k widens only its own tokens' sets to the vocabulary), one pass
             a width; or a device tensor with ``max_top_k``, which sizes every token's set (its
@@ -387,26 +388,30 @@ class Truncation:
     def _keeps_everything(self, v_total: int) -> bool:
         """Whether vLLM's rule keeps every token's whole vocabulary, as read on the host: no
         top-k (``<= 0`` or past the vocabulary), ``top_p = 1`` and ``min_p = 0`` everywhere
-        (vLLM's defaults). False where an option is on the device (never read from there)."""
+        (vLLM's defaults). False where an option is on the device (never read from there), and
+        where traced (a value read on the host would break the graph)."""
+        if self.engine != "vllm" or self.max_top_k is not None or tracing():
+            return False
+
         def host(value: Values) -> Optional[torch.Tensor]:
             if isinstance(value, torch.Tensor):
                 return value if value.device.type == "cpu" else None
             return torch.as_tensor(value)
 
         k, p, m = host(self.top_k), host(self.top_p), host(self.min_p)
-        return (self.engine == "vllm" and self.max_top_k is None and k is not None and p is not None
-                and m is not None and bool(((k <= 0) | (k >= v_total)).all()) and bool((p == 1).all())
-                and bool((m == 0).all()))
+        return (k is not None and p is not None and m is not None and bool(((k <= 0) | (k >= v_total)).all())
+                and bool((p == 1).all()) and bool((m == 0).all()))
 
     def _groups(self, n: int, v_total: int) -> Optional[list[tuple[torch.Tensor, "Truncation"]]]:
         """The tokens grouped by their own kept set's width, where each token's ``top_k`` is on
         the host (a list or a CPU tensor of ``n``) and more than one width occurs: ``[(the
         group's token indices (CPU), its options)]``, so that a token's set is as wide as its
         own options make it, never as a wider request beside it makes it (the width decides
-        how its logits are made, and so their bits). Else None: one width, or a device top-k
-        (its widths are not read from the device)."""
+        how its logits are made, and so their bits). Else None: one width, a device top-k (its
+        widths are not read from the device), or traced code (groups of data-dependent sizes
+        would break the graph: a compiled call sizes every token's set by the largest)."""
         top_k = self.top_k
-        if isinstance(top_k, int) or self.max_top_k is not None or (
+        if isinstance(top_k, int) or self.max_top_k is not None or tracing() or (
                 isinstance(top_k, torch.Tensor) and top_k.device.type != "cpu"):
             return None
         k = torch.as_tensor(top_k, dtype=torch.long)

@@ -40,6 +40,7 @@ from ..kernels import (
     triton_unavailable,
 )
 from ..kernels.losses import group_sum
+from ..kernels.dispatch import tracing
 from ..kernels.options import is_finite
 from ..mtp import MTPDepth, MTPLoss, fused_mtp_loss
 from ..postprocess import PostprocessContext, PostprocessProcessor
@@ -84,8 +85,9 @@ def _per_token_truncation(t: Truncation, ctx: PostprocessContext, b: int, s: int
     if all(isinstance(getattr(t, f), (int, float)) for f in ("top_k", "top_p", "min_p")):
         return t
     device = ctx.hidden_states.device
+    # (traced: the kernels read no widths from a traced tensor, so the device form, as before)
     on_host = not (isinstance(t.top_k, torch.Tensor) and t.top_k.device.type != "cpu") and not is_thd(
-        ctx.packed_seq_params)
+        ctx.packed_seq_params) and not tracing()
     if on_host and not isinstance(t.top_k, int):
         return dataclasses.replace(t, top_k=spread("top_k", torch.device("cpu")),
                                    top_p=spread("top_p", device), min_p=spread("min_p", device))
