@@ -57,7 +57,9 @@ ABSENT = {
     "ray": "Ray, NeMo RL's cluster runtime (actors, placement groups, remote calls), imported at "
     "module level across nemo_rl (virtual_cluster, the generation workers, the logger). The "
     "code under test (model forward, post-processors, loss wrappers, setup's checks) calls none "
-    "of it; Ray's wheel would install but is a few hundred MB and starts processes of its own.",
+    "of it; Ray's wheel would install but is a few hundred MB and starts processes of its own. "
+    "ray.remote, as Ray's, returns an object that is not the decorated function "
+    "(RemoteStandIn), so that pytest does not collect a test left under it.",
     "megatron.bridge": "Megatron-Bridge (NeMo RL's model provider, get_model, training config "
     "containers, checkpointing; a submodule at 8c46dc42). It needs Megatron-LM 0.20 "
     "(megatron-core[dev,mlm]), transformers >= 5.8, flashinfer and Transformer Engine, which do "
@@ -135,6 +137,44 @@ class Absent(metaclass=_AbsentMeta):
         return Absent()
 
 
+class RemoteStandIn:
+    """What the stand-in ``ray.remote`` makes of a function or class: as Ray's own
+    ``RemoteFunction`` / ``ActorClass``, an object that is not the function or class it was given,
+    so that a test function left under ``@ray.remote`` by mistake is not collected by pytest (not a
+    function) and calling one directly raises Ray's TypeError. ``.remote()`` gives an
+    :class:`Absent`, ``.options()`` the same stand-in."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target  # never __wrapped__: pytest would unwrap it to the function
+
+    def __repr__(self) -> str:
+        return f"<ray.remote stand-in for {getattr(self._target, '__qualname__', self._target)!r}>"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        name = getattr(self._target, "__name__", "it")
+        raise TypeError(
+            f"Remote functions cannot be called directly. Instead of running '{name}()', try "
+            f"'{name}.remote()' (Ray's message; here: the stand-in of tests/nemo_rl_stubs.py)"
+        )
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return Absent()
+
+    def options(self, *args: Any, **kwargs: Any) -> "RemoteStandIn":
+        return self
+
+
+def _ray_remote(*args: Any, **kwargs: Any) -> Any:
+    """``ray.remote``, bare (``@ray.remote``) or with options (``@ray.remote(num_gpus=1)``)."""
+    if len(args) == 1 and not kwargs and callable(args[0]):
+        return RemoteStandIn(args[0])
+    return RemoteStandIn
+
+
+#: Names of a stood-in module that are not :class:`Absent` ((module, name): value).
+SPECIAL = {("ray", "remote"): _ray_remote}
+
+
 class _StubModule(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -162,6 +202,9 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: Any) -> types.ModuleType:
         module = _StubModule(spec.name, f"Stand-in (tests/nemo_rl_stubs.py) for {self._entry(spec.name)}")
         module.__path__ = []
+        for (module_name, attr), value in SPECIAL.items():
+            if module_name == spec.name:
+                setattr(module, attr, value)
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:

@@ -51,6 +51,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import NamedTuple, Optional
@@ -260,6 +261,44 @@ def test_the_series_own_unit_tests_pass(trees):
     )
     passed = f"{len(SERIES_UNIT_TESTS)} passed" in run.stdout
     assert run.returncode == 0 and passed, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+def _imports_at_import_time(tree: ast.Module, package: str) -> list:
+    """The imports of ``package`` that run when the module is imported: module and class bodies,
+    their ``if`` / ``try`` / ``with`` blocks, but not function bodies nor ``if TYPE_CHECKING:``."""
+    found, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        if any(n == package or n.startswith(package + ".") for n in names):
+            found.append(node.lineno)
+        todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def test_nemo_rl_imports_mcore_hooks_only_where_the_fused_path_runs(trees):
+    """mcore-hooks is needed only with ``use_fused_linear_logprobs``: no file of the patched tree
+    imports it when imported (an AST scan), and the fused path does import it, lazily."""
+    root = Path(trees.patched)
+    at_import, lazily = {}, []
+    for path in sorted(root.rglob("*.py")):
+        rel = str(path.relative_to(root))
+        with warnings.catch_warnings():  # NeMo RL's own invalid escapes (SyntaxWarning)
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(path.read_text(), filename=rel)
+        if lines := _imports_at_import_time(tree, "mcore_hooks"):
+            at_import[rel] = lines
+        if any(isinstance(n, (ast.Import, ast.ImportFrom)) and "mcore_hooks" in ast.unparse(n)
+               for n in ast.walk(tree)):
+            lazily.append(rel)
+    assert not at_import, f"imported at module level (file: lines): {at_import}"
+    assert {"nemo_rl/models/megatron/setup.py", "nemo_rl/models/megatron/train.py"} <= set(lazily), lazily
 
 
 def _calls(fn: ast.FunctionDef, name: str) -> list:
