@@ -104,10 +104,10 @@ def main() -> None:
             def dlogits():
                 for v0 in range(0, v, vc):
                     width = min(vc, v - v0)
-                    tf._dlogits_kernel[(triton.cdiv(width, bv), triton.cdiv(n, bn))](
+                    tf._dlogits_kernel[(triton.cdiv(width, bv) * triton.cdiv(n, bn),)](
                         x, w, coef, label, m, log_s, ent, g1, g2, dz, n, v, h, v0, width,
                         x.stride(0), w.stride(0), dz.stride(0), EVEN_K=h % bk == 0, USE_TMA=False,
-                        **cfg)
+                        GROUP=tf._DZ_GROUP, **cfg)
 
             t = bench(dlogits)
             print(f"  Vc={vc} dlogits {bn} {bv} {bk} {nw} {ns}: {t:.1f} ms ({flop / t / 1e9 / ceiling:.0%})", flush=True)
@@ -180,9 +180,10 @@ def compare_tma(x, w, coef, label, flop, ceiling) -> None:
             def dlogits():
                 for v0 in range(0, v, vc):
                     width = min(vc, v - v0)
-                    tf._dlogits_kernel[(triton.cdiv(width, bv), triton.cdiv(n, bn))](
+                    tf._dlogits_kernel[(triton.cdiv(width, bv) * triton.cdiv(n, bn),)](
                         xa, wa, coef, label, m, log_s, ent, g1, g2, dz, n, v, h, v0, width,
-                        x.stride(0), w.stride(0), dz.stride(0), EVEN_K=h % bk == 0, USE_TMA=used, **cfg)
+                        x.stride(0), w.stride(0), dz.stride(0), EVEN_K=h % bk == 0, USE_TMA=used,
+                        GROUP=tf._DZ_GROUP, **cfg)
 
             try:
                 t = bench(dlogits)

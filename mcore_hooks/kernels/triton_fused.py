@@ -114,6 +114,8 @@ _MERGE_BLOCK = 512
 _GIVEN_ROWS, _GIVEN_COLS = 32, 32
 # Row blocks of the hidden gradient's programs that walk the vocabulary together.
 _DX_GROUP = 8
+# Row blocks of the logit-gradient kernel's programs that walk a chunk's vocab tiles together.
+_DZ_GROUP = 8
 # Segments the hidden gradient's sum over the vocabulary is cut into (from the vocabulary's
 # size alone; each a multiple of 256 columns): fixed, so a token's dX row is the same bits
 # whether a program adds a tile's segments itself or programs form one segment each for a
@@ -340,10 +342,10 @@ class TritonFused(Backend):
             v0 = i * vc
             width = min(vc, v - v0)
             chunk = dz[:, :width]
-            _dlogits_kernel[(triton.cdiv(width, bv), row_blocks)](
+            _dlogits_kernel[(triton.cdiv(width, bv) * row_blocks,)](
                 xa, wa, coef, local_label, m, log_s, entropy, g1, g2, dz,
                 n, v, h, v0, width, x.stride(0), weight.stride(0), dz.stride(0),
-                EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch(),
+                EVEN_K=h % tile.block_k == 0, USE_TMA=tma, GROUP=_DZ_GROUP, **tile.launch(),
             )
             if given is not None:
                 _write_columns_kernel[grid](dz, e_cols, given, n, k, v0, width, dz.stride(0),

@@ -203,10 +203,20 @@ if triton is not None:
         X, W, COEF, LABEL, M, LOGS, ENT, G1, G2, DZ,
         N, V, H, v0, Vc, stride_x, stride_w, stride_dz,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        USE_TMA: tl.constexpr,
+        USE_TMA: tl.constexpr, GROUP: tl.constexpr,
     ):
-        pid_v = tl.program_id(0)  # vocab tile fastest: the chunk's W stays in L2, X blocks too
-        pid_n = tl.program_id(1)
+        # GROUP row blocks walk the chunk's vocab tiles together (row block fastest): the
+        # programs running together share a few X blocks and each W tile, read from memory
+        # once a group. A chunk's W is most of the vocabulary's (hundreds of MB, not L2's): with
+        # the vocab tile fastest every row block re-read it, and the kernel ran at memory speed
+        # (57.9 ms at 16384 x 4096 x 151936 on an H100, the statistics kernel's same product 41.8).
+        pid = tl.program_id(0)
+        row_blocks = tl.cdiv(N, BLOCK_N)
+        per_group = GROUP * tl.cdiv(Vc, BLOCK_V)
+        first = pid // per_group * GROUP
+        size = tl.minimum(row_blocks - first, GROUP)
+        pid_n = first + pid % per_group % size
+        pid_v = pid % per_group // size
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         cols_local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)

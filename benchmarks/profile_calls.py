@@ -1,0 +1,149 @@
+"""Where one call's time goes: the host's Python work per call at small shapes (cProfile over
+back-to-back calls) and the device's kernels at large ones (``torch.profiler``), one GPU.
+
+    python benchmarks/profile_calls.py --host [--shape 256 896 32000]
+    python benchmarks/profile_calls.py --kernels [--shape 16384 4096 151936] [--paths lp stock_lp]
+
+``--host`` also times the floor under the library: an empty Triton kernel's launch with as many
+arguments as the statistics kernel takes, and a tensor descriptor's construction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import math
+import pstats
+import time
+
+import torch
+
+import bench_sweep
+
+
+def _inputs(n: int, h: int, v: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).bfloat16().requires_grad_()
+    x = torch.randn(n, h, device="cuda", generator=g).bfloat16().requires_grad_()
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    return x, w, y, torch.zeros(v, h, device="cuda")
+
+
+def _host_ms(fn, calls: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t0) * 1e3 / calls
+    torch.cuda.synchronize()
+    return t
+
+
+def host(shape, paths, calls: int = 60) -> None:
+    x, w, y, main_grad = _inputs(*shape)
+    table = bench_sweep.entry_paths(x, w, y, main_grad, None)
+    for name in paths:
+        step = table[name]
+
+        def run():
+            x.grad = w.grad = None
+            step()
+
+        for _ in range(5):
+            run()
+        ms = min(_host_ms(run, calls) for _ in range(3))
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        prof.enable()
+        for _ in range(calls):
+            run()
+        prof.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
+        print(f"=== {name} at {shape}: host {ms:.3f} ms a call (back-to-back, {calls} calls)")
+        print("\n".join(s.getvalue().splitlines()[6:]))
+
+
+if torch.cuda.is_available():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _empty(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, BLOCK: tl.constexpr):
+        pass
+
+
+def launch_floor() -> None:
+    empty = _empty
+    z = torch.zeros(16, device="cuda")
+    args = [z] * 8 + [7, 4096, 151936, 1, 2, 3, 9, 11, 64, 16, 5, 13]
+    empty[(1,)](*args, BLOCK=16)
+    print(f"empty Triton launch, 20 arguments: {_host_ms(lambda: empty[(1,)](*args, BLOCK=16), 2000) * 1e3:.1f} us")
+    print(f"empty torch op (torch.empty): {_host_ms(lambda: torch.empty(16, device='cuda'), 2000) * 1e3:.1f} us")
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return
+    a = torch.zeros(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    print(f"TensorDescriptor.from_tensor: {_host_ms(lambda: TensorDescriptor.from_tensor(a, [128, 64]), 2000) * 1e3:.1f} us")
+
+
+def kernels(shape, paths) -> None:
+    x, w, y, main_grad = _inputs(*shape)
+    liger = bench_sweep._liger()
+    table = bench_sweep.entry_paths(x, w, y, main_grad, liger)
+    for name in paths:
+        if name not in table:
+            print(f"=== {name}: not available")
+            continue
+        step = table[name]
+
+        def run():
+            x.grad = w.grad = None
+            step()
+
+        for _ in range(2):
+            run()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+        rows = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                ms = (e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total) / 1e3
+                k = rows.setdefault(e.name[:70], [0, 0.0])
+                k[0] += 1
+                k[1] += ms
+        total = sum(ms for _, ms in rows.values()) / 3
+        print(f"=== {name} at {shape}: {total:.2f} ms of kernels a call")
+        for k, (c, ms) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+            print(f"  {ms / 3:8.2f} ms  {c // 3:4d}x  {k}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--host", action="store_true")
+    ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--shape", type=int, nargs=3, default=None)
+    ap.add_argument("--paths", nargs="+", default=None)
+    ap.add_argument("--dz-group", type=int, default=None,
+                    help="row blocks of the logit-gradient kernel's program groups (a trial value)")
+    args = ap.parse_args()
+    if args.dz_group:
+        from mcore_hooks.kernels import triton_fused
+
+        triton_fused._DZ_GROUP = args.dz_group
+    if args.host:
+        launch_floor()
+        host(args.shape or (256, 896, 32000),
+             args.paths or ["stock_lp", "lp", "ce", "policy", "policy_main_grad", "policy_main_grad_declared"])
+    if args.kernels:
+        kernels(args.shape or (16384, 4096, 151936), args.paths or ["lp", "policy", "liger_ce", "stock_lp"])
+
+
+if __name__ == "__main__":
+    main()
