@@ -124,12 +124,49 @@ def kernels(shape, paths) -> None:
             print(f"  {ms / 3:8.2f} ms  {c // 3:4d}x  {k}")
 
 
+def dx_tiles(shape) -> None:
+    """The hidden gradient's kernel (``dz @ W`` over the whole vocabulary, one chunk) with
+    candidate tiles, beside cuBLAS's product."""
+    import dataclasses
+
+    import triton.testing
+
+    from mcore_hooks.kernels import triton_fused as tf
+    from mcore_hooks.kernels import triton_tiles as tt
+
+    n, h, v = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dz = (torch.randn(n, v, device="cuda", generator=g) * 1e-3).bfloat16()
+    w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).bfloat16()
+    out = torch.empty(n, h, device="cuda", dtype=torch.bfloat16)
+    flop = 2 * n * h * v
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+    t = bench(lambda: torch.mm(dz, w, out=out))
+    print(f"=== dX at {shape}: cuBLAS {t:.2f} ms ({flop / t / 1e9:.0f} TFLOP/s)")
+    ref = None
+    for cfg in [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 16, 3),
+                (256, 128, 64, 16, 3), (128, 128, 128, 8, 2), (64, 256, 64, 4, 3), (128, 64, 64, 4, 4)]:
+        be = tf.TritonFused(dataclasses.replace(tt.TILES[0], dx=tt.Tile(*cfg)))
+        try:
+            be.hidden_grad(dz, w, out)
+            same = "" if ref is None else ("same bits" if torch.equal(out, ref) else "OTHER BITS")
+            ref = out.clone() if ref is None else ref
+            t = bench(lambda: be.hidden_grad(dz, w, out))
+            print(f"  dx tile {cfg}: {t:.2f} ms ({flop / t / 1e9:.0f} TFLOP/s) {same}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported
+            print(f"  dx tile {cfg}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--host", action="store_true")
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--shape", type=int, nargs=3, default=None)
     ap.add_argument("--paths", nargs="+", default=None)
+    ap.add_argument("--dx-tiles", action="store_true")
     ap.add_argument("--dz-group", type=int, default=None,
                     help="row blocks of the logit-gradient kernel's program groups (a trial value)")
     args = ap.parse_args()
@@ -137,6 +174,8 @@ def main() -> None:
         from mcore_hooks.kernels import triton_fused
 
         triton_fused._DZ_GROUP = args.dz_group
+    if args.dx_tiles:
+        dx_tiles(args.shape or (16384, 4096, 151936))
     if args.host:
         launch_floor()
         host(args.shape or (256, 896, 32000),

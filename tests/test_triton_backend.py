@@ -708,7 +708,8 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
     flags = dict(EVEN_K=True, USE_TMA=False)
     return [
         _compiled_shared_memory(triton_kernels._stats_fwd_kernel, fwd, flags, capability, tiles.fwd),
-        _compiled_shared_memory(triton_kernels._dlogits_kernel, bwd, flags, capability, tiles.bwd),
+        _compiled_shared_memory(triton_kernels._dlogits_kernel, bwd, dict(flags, GROUP=triton_fused._DZ_GROUP),
+                                capability, tiles.bwd),
         _compiled_shared_memory(triton_losses._logits_kernel, logits, flags, capability, tiles.fwd),
         _compiled_shared_memory(triton_losses._weight_grad_kernel, dw, dict(ACCUMULATE=True),
                                 capability, triton_tiles.Tile(*triton_fused._DW_TILE, 8, 2), names=dw_names),

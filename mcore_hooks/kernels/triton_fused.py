@@ -50,6 +50,7 @@ are exact).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, Optional
@@ -170,6 +171,7 @@ def vocab_segments(vtiles: int) -> tuple[int, int]:
     return seg_tiles, math.ceil(vtiles / seg_tiles)
 
 
+@functools.lru_cache(maxsize=256)  # a few ints a call, the same ones call after call (host time)
 def forward_splits(row_blocks: int, vtiles: int, sms: int) -> int:
     """Vocab splits of the statistics kernel's grid (``row_blocks x splits`` programs, one per SM
     at a time, each walking ``vtiles / splits`` vocab units: the kernel's segments, or tiles). Its

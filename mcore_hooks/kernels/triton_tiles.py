@@ -62,11 +62,13 @@ class Tiles:
 # amortise the softmax epilogue; 8 warps drive Hopper's wgmma): 144 KiB, which also fits
 # sm_100's 227 KiB. sm_80 (A100, 163 KiB) keeps the wide tile with a shorter K step; sm_86 /
 # sm_89 / sm_120 (99-100 KiB) take 128 x 128. Older GPUs have no bf16 tensor cores: torch backend.
-# The hidden gradient's tiles are 128 x 128: its programs hold two float32 accumulators (a
-# segment's partial sum and the running one, see _hidden_grad_kernel).
+# The hidden gradient's programs hold two float32 accumulators (a segment's partial sum and the
+# running one, see _hidden_grad_kernel); on sm_90 its 128 x 256 tile still ran fastest, ahead of
+# cuBLAS's product: 29.6 ms against 43.3 with 128 x 128 at 16384 x 4096 x 151936, 7.2 against 9.7
+# at 2048 x 8192 (cuBLAS 30.3 / 7.1; H200, benchmarks/profile_calls.py --dx-tiles; the same bits).
 TILES: tuple[Tiles, ...] = (
     Tiles("sm_90", (9, 0), fwd=Tile(128, 256, 64, 8, 3), bwd=Tile(128, 256, 64, 8, 3),
-          dx=Tile(128, 128, 64, 8, 3), tma=True),
+          dx=Tile(128, 256, 64, 8, 3), tma=True),
     Tiles("sm_80", (8, 0), fwd=Tile(128, 256, 32, 8, 4), bwd=Tile(128, 256, 32, 8, 4),
           dx=Tile(128, 128, 32, 8, 4), tma=False),
     Tiles("sm_86", (8, 0), fwd=Tile(128, 128, 32, 8, 4), bwd=Tile(128, 128, 32, 8, 4),
