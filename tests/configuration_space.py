@@ -9,7 +9,10 @@ into ``main_grad`` (with and without a declared ``upstream_grad``), the path the
 node handing back each output's gradient, the processors returning tuples), which outputs the
 loss uses (all, or the first: an entropy only logged), a non-reentrant activation-checkpointed
 region around the call, one or two MTP depths' fused loss on the same weight, the deferred
-embedding weight gradient of pipeline parallelism (``defer_embedding_wgrad_compute``), and the
+embedding weight gradient of pipeline parallelism (``defer_embedding_wgrad_compute``), the torch backend's
+``chunk_size`` (the default, or 3: chunks of 1-2 tokens), a declared ``upstream_grad``'s forward
+failing halfway (``fault``: the loss raising on its fourth chunk half; ``main_grad`` is NaN with a
+warning, then a retry on a cleared ``main_grad`` must be exact), and the
 batch invariance (on, the default, or opted out), and ``torch.compile`` around the call (graph breaks allowed), on 4
 gloo CPU ranks in float32, and compares values and gradients with the same processor on the
 unsplit batch (itself checked against stock Megatron by the rest of the suite). A combination either matches or is refused
@@ -55,6 +58,8 @@ OPTIONS: dict[str, tuple] = {
     "defer_wgrad": (False, True),
     "invariant": (False, True),
     "compile": (False, True),
+    "chunk_size": ("default", 3),
+    "fault": (False, True),
 }
 DECLARABLE = ("ce-sum", "ce-mean", "policy-token-mean", "policy-seq-mean-token-mean")
 TWO_OUTPUTS = ("logprob-entropy", "verl", "kept-replay")  # two differentiable outputs: the loss may use one
@@ -84,6 +89,8 @@ class Combo:
     defer_wgrad: bool = False
     invariant: bool = False
     compile: bool = False
+    chunk_size: Any = "default"
+    fault: bool = False
 
     def name(self) -> str:
         parts = [self.processor, f"tp{self.tp}", "sp" if self.sp else "", f"cp{self.cp}",
@@ -93,7 +100,9 @@ class Combo:
                  "uses-first" if self.uses == "first" else "",
                  "checkpointed" if self.checkpoint == "region" else "",
                  f"mtp{self.mtp}" if self.mtp else "", "defer-wgrad" if self.defer_wgrad else "",
-                 "batch-invariant" if self.invariant else "", "compiled" if self.compile else ""]
+                 "batch-invariant" if self.invariant else "", "compiled" if self.compile else "",
+                 f"chunk{self.chunk_size}" if self.chunk_size != "default" else "",
+                 "fault-then-retry" if self.fault else ""]
         return " ".join(p for p in parts if p)
 
 
@@ -107,6 +116,14 @@ def valid(c: dict) -> bool:
     if c.get("uses") == "first" and c.get("processor") not in (None, *TWO_OUTPUTS):
         return False
     if c.get("uses") == "first" and c.get("main_grad") == "declared":  # no processor has both
+        return False
+    # a fault: a policy loss's declared forward failing halfway, on one rank (ranks
+    # failing at different chunks would leave the others waiting in a collective), eager
+    if c.get("fault") and not (c.get("main_grad") in (None, "declared")
+                               and (c.get("processor") or "policy-").startswith("policy-")
+                               and c.get("tp") in (None, 1) and not c.get("sp") and c.get("cp") in (None, 1)
+                               and not c.get("compile") and c.get("chunk_size") in (None, 3)
+                               and c.get("uses") in (None, "all") and c.get("checkpoint") in (None, "none")):
         return False
     return True
 
@@ -154,6 +171,10 @@ def covering_set() -> list[Combo]:
             pending = sorted(uncovered, key=repr)
             i, va, j, vb = pending[0] if rng.random() < 0.5 else rng.choice(pending)
             cand[names[i]], cand[names[j]] = va, vb
+            if cand["fault"]:  # the fault's few companions, except the seeded pair's
+                need = dict(main_grad="declared", tp=1, sp=False, cp=1, compile=False, chunk_size=3,
+                            uses="all", checkpoint="none", processor=rng.choice([p for p in PROCESSORS if p.startswith("policy-")]))
+                cand.update({k: v for k, v in need.items() if k not in (names[i], names[j])})
             if not valid(cand):
                 continue
             gain = len(_covers(cand, names) & uncovered) / (30 if cand["compile"] else 1)
@@ -268,6 +289,8 @@ def _processor(c: Combo, d: dict):
 
     t = d["temps"] if c.temperature == "per-sample" else 0.8
     inv = dict(batch_invariant=c.invariant)
+    if c.chunk_size != "default":
+        inv["chunk_size"] = c.chunk_size
     up = UPSTREAM if c.main_grad == "declared" else None
     p = c.processor
     if p == "logprob":
@@ -290,7 +313,7 @@ def _processor(c: Combo, d: dict):
         return FusedLogprobProcessor(**inv, temperature=t, kept_set=Truncation(top_k=6, top_p=0.9, min_p=0.01))
     if p == "kept-top-k-per-request":  # SGLang's rule, each sample (packed sequence) its own options
         return FusedLogprobProcessor(**inv, temperature=t, kept_set=Truncation(
-            top_k=[5, 0], top_p=[0.85, 1.0], min_p=[0.0, 0.02], engine="sglang"))
+            top_k=[5, -1], top_p=[0.85, 1.0], min_p=[0.0, 0.02], engine="sglang"))
     if p == "kept-policy":
         return PolicyLossProcessor(**inv, loss=PolicyLoss(entropy_coef=0.01), temperature=t, as_tuple=plan,
                                    kept_set="replay")
@@ -300,6 +323,60 @@ def _processor(c: Combo, d: dict):
         return TopKDistillationProcessor(**inv, temperature=t, as_tuple=plan, kl_type="mixed",
                                          renormalise="teacher", clamp_min=None)
     return NemoRLLogprobProcessor(**inv, temperature=t)
+
+
+class _SimulatedFault(RuntimeError):
+    """What a forward failing halfway raises here (an out-of-memory error would do the same)."""
+
+
+class _FailsOnFourthCall:
+    """The default policy loss as a per-token function that raises on its fourth call (its
+    chunks' halves: the first chunks' gradients are in ``main_grad`` by then)."""
+
+    def __init__(self) -> None:
+        from mcore_hooks.kernels import PolicyLoss
+
+        self.loss, self.calls = PolicyLoss(), 0
+        self.needs_entropy, self.input_names = self.loss.needs_entropy, self.loss.input_names
+
+    def __call__(self, logprob, entropy, **inputs):
+        self.calls += 1
+        if self.calls == 4:
+            raise _SimulatedFault("simulated: the forward failed halfway")
+        return self.loss(logprob, entropy, **inputs)
+
+
+def _fault_then_clear(c: Combo, d: dict, kwargs: dict, hidden, weight) -> Optional[str]:
+    """``c.fault``: the declared forward failing halfway must raise, warn that
+    ``main_grad`` is now NaN and leave it NaN (nothing takes a partial sum back exactly);
+    ``main_grad`` is then cleared for the retry, which must be exact. What went otherwise, or
+    None (also where the combination is refused: the retry is refused the same way)."""
+    import warnings
+
+    from mcore_hooks import PolicyLossProcessor
+
+    proc = _processor(c, d)
+    failing = PolicyLossProcessor(loss=_FailsOnFourthCall(), aggregation=proc.aggregation,
+                                  temperature=proc.temperature, chunk_size=proc.chunk_size,
+                                  batch_invariant=proc.batch_invariant, upstream_grad=proc.upstream_grad,
+                                  as_tuple=proc.as_tuple)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            failing(hidden_states=hidden, **kwargs)
+        except (ValueError, TypeError, NotImplementedError):
+            return None  # refused before it ran: so is the retry, and check() wants that
+        except _SimulatedFault:
+            pass
+        else:
+            return "fault: the failing loss did not fail (one chunk only?)"
+    if not any("now NaN" in str(w.message) for w in seen):
+        return f"fault: no warning that main_grad is now NaN ({[str(w.message) for w in seen]})"
+    if not torch.isnan(weight.main_grad).all():
+        return "fault: main_grad left partly added, not NaN"
+    weight.main_grad.zero_()
+    hidden.grad = weight.grad = None
+    return None
 
 
 def _outputs(c: Combo, out: Any) -> tuple:
@@ -408,6 +485,12 @@ def run(c: Combo, tp_group: Any, tp_rank: int, cp_group: Any, cp_rank: int) -> d
         context=context, compute_language_model_loss=model.compute_language_model_loss,
         scale_logits=lambda logits: logits, config=config,
     )
+    if c.fault:
+        problem = _fault_then_clear(c, d, kwargs, hidden, weight)
+        if problem:
+            if hook is not None:
+                hook.remove()
+            return {"fault": problem}
     processor = _processor(c, d)
     first: list = []
 
@@ -469,6 +552,8 @@ def check(c: Combo, got: dict, ref: dict) -> Optional[str]:
     """None where ``got`` (this rank's run) matches ``ref`` (the unsplit run); else what differs.
     float32 sums of a few tens of O(1) terms in another order: 1e-5 relative, 1e-6 absolute."""
     want = expected_refusal(c)
+    if "fault" in got:
+        return got["fault"]
     if "refused" in got:
         if want is None:
             return f"refused unexpectedly: {got['refused']}"
@@ -508,7 +593,7 @@ def check(c: Combo, got: dict, ref: dict) -> Optional[str]:
 def reference_of(c: Combo) -> Combo:
     """The same processor and options on the unsplit batch (no TP, SP or CP), through the plain
     path (the loss's backward, no checkpointed region)."""
-    return dataclasses.replace(c, tp=1, sp=False, cp=1, path="forward", checkpoint="none", compile=False,
+    return dataclasses.replace(c, tp=1, sp=False, cp=1, path="forward", checkpoint="none", compile=False, fault=False,
                                labels="given" if c.labels == "derived" and c.cp > 1 else c.labels)
 
 
@@ -544,8 +629,9 @@ def run_all(combos: list[Combo]) -> list[tuple[Combo, Optional[str], Optional[st
 def table(rows: list[tuple[Combo, Optional[str], Optional[str]]]) -> str:
     """The docs' matrix: one line per combination, exact or refused and why."""
     lines = ["| processor | TP | SP | CP | layout | tied | temperature | labels | loss mask | main_grad "
-             "| path | loss uses | checkpoint | MTP | deferred wgrad | batch-invariant | compiled | result |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| path | loss uses | checkpoint | MTP | deferred wgrad | batch-invariant | compiled | chunk_size "
+             "| fault, then retry | result |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c, problem, refused in rows:
         result = ("**FAILS**: " + problem) if problem else (
             f"refused: `{refused.split(':', 1)[1].strip()[:90]}...`"
@@ -555,7 +641,7 @@ def table(rows: list[tuple[Combo, Optional[str], Optional[str]]]) -> str:
             f"{'yes' if c.tied else 'no'} | {c.temperature} | {c.labels} | {'yes' if c.loss_mask else 'no'} | "
             f"{c.main_grad} | {c.path} | {c.uses} | {c.checkpoint} | {c.mtp} | "
             f"{'yes' if c.defer_wgrad else 'no'} | {'yes' if c.invariant else 'no'} | "
-            f"{'yes' if c.compile else 'no'} | {result} |")
+            f"{'yes' if c.compile else 'no'} | {c.chunk_size} | {'yes' if c.fault else 'no'} | {result} |")
     return "\n".join(lines)
 
 
