@@ -160,6 +160,53 @@ def dx_tiles(shape) -> None:
             print(f"  dx tile {cfg}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
 
 
+def dw_tiles(shape) -> None:
+    """The fused losses' weight gradient from a kept logit gradient (``grad * dz.T @ x``, the
+    Triton kernel) with candidate tiles, beside cuBLAS's float32 product and the scaling pass
+    the forward route takes instead."""
+    import triton
+    import triton.testing
+
+    from mcore_hooks.kernels import triton_fused as tf
+    from mcore_hooks.kernels.triton_losses import _weight_grad_kernel
+
+    n, h, v = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dz = (torch.randn(n, v, device="cuda", generator=g) * 1e-3).bfloat16()
+    x = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+    grad = torch.tensor([0.5], device="cuda")
+    out = torch.empty(v, h, device="cuda", dtype=torch.bfloat16)
+    w32 = torch.empty(v, h, device="cuda")
+    flop = 2 * n * h * v
+
+    def bench(fn):
+        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+
+    from mcore_hooks.kernels.matmul import addmm_f32_
+
+    t_mm = bench(lambda: addmm_f32_(w32, dz.t(), x))  # the forward route's float32 dW (cuBLAS)
+    t_scale = bench(lambda: tf.TritonFused.scale_cast(w32, grad, torch.bfloat16))
+    print(f"=== dW at {shape}: cuBLAS into float32 {t_mm:.2f} ms, + the scaling pass to bf16 {t_scale:.2f} ms")
+    ref = None
+    for bv, bh, bk, nw, ns in [(128, 128, 64, 8, 2), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+                               (256, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 32, 8, 4)]:
+        grid = (triton.cdiv(v, bv) * triton.cdiv(h, bh),)
+
+        def run():
+            _weight_grad_kernel[grid](dz, x, grad, out, n, v, h, dz.stride(0), x.stride(0), out.stride(0),
+                                      BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk, ACCUMULATE=False,
+                                      num_warps=nw, num_stages=ns)
+
+        try:
+            run()
+            same = "" if ref is None else ("same bits" if torch.equal(out, ref) else "OTHER BITS")
+            ref = out.clone() if ref is None else ref
+            t = bench(run)
+            print(f"  dW tile {(bv, bh, bk, nw, ns)}: {t:.2f} ms ({flop / t / 1e9:.0f} TFLOP/s) {same}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported
+            print(f"  dW tile {(bv, bh, bk, nw, ns)}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--host", action="store_true")
@@ -167,6 +214,7 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=3, default=None)
     ap.add_argument("--paths", nargs="+", default=None)
     ap.add_argument("--dx-tiles", action="store_true")
+    ap.add_argument("--dw-tiles", action="store_true")
     ap.add_argument("--dz-group", type=int, default=None,
                     help="row blocks of the logit-gradient kernel's program groups (a trial value)")
     args = ap.parse_args()
@@ -174,6 +222,8 @@ def main() -> None:
         from mcore_hooks.kernels import triton_fused
 
         triton_fused._DZ_GROUP = args.dz_group
+    if args.dw_tiles:
+        dw_tiles(args.shape or (2048, 8192, 151936))
     if args.dx_tiles:
         dx_tiles(args.shape or (16384, 4096, 151936))
     if args.host:

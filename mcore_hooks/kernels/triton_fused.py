@@ -435,6 +435,14 @@ class TritonFused(Backend):
         return None
 
     saved_dz_bytes = _SAVED_DZ_BYTES
+    # ... and only up to this many tokens: the kept-dz kernel runs dW at about 480 TFLOP/s, the
+    # forward route's cuBLAS at about 700 plus a float32 [V, H] pass written, read and scaled
+    # (10 V H bytes), so the kept dz wins while 2NHV (1/480 - 1/700) < 10 VH / bandwidth, about
+    # N < 1600 whatever V and H. H200: kept 0.97 / 2.52 ms against 2.76 / 3.20 at 256 x 4096 /
+    # 1024 x 3584 x 151936; 12.45 / 10.11 against 9.80 / 6.35 at 2048 x 8192 x 151936 /
+    # 8192 x 8192 x 32000 (benchmarks/profile_calls.py --dw-tiles; the last was kept by the
+    # bytes alone, 500 MiB).
+    saved_dz_tokens = 1536
 
     @staticmethod
     def prologue(labels: torch.Tensor, temperature: Optional[torch.Tensor], coef: float,
