@@ -114,9 +114,10 @@ def _defers_weight_grad(backend: str, n: int, weight: Tensor, chunk_size: int,
                         sequence_parallel: bool, need_w: bool, into: bool) -> bool:
     """Whether a fused loss keeps its logit gradient for the backward to form dW from, rather
     than forming dW in float32 in the forward (few tokens on the Triton backend: see
-    ``TritonFused.saved_dz_tokens`` and ``saved_dz_bytes``; one chunk; dW returned, not added into an accumulator; the
-    backward then needs the hidden states, which sequence parallelism would have to gather
-    again: not there). From shapes alone, so the fake implementation agrees."""
+    ``TritonFused.saved_dz_tokens`` and ``saved_dz_bytes``; one chunk; dW returned, not added
+    into an accumulator; the backward then needs the hidden states, which sequence parallelism
+    would have to gather again: not there). From shapes alone, so the fake implementation
+    agrees."""
     if not need_w or into or sequence_parallel or backend.partition("+")[0] != "triton" or n > chunk_size:
         return False
     from . import triton_fused
