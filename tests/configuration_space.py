@@ -364,7 +364,9 @@ def _fault_then_clear(c: Combo, d: dict, kwargs: dict, hidden, weight) -> Option
         warnings.simplefilter("always")
         try:
             failing(hidden_states=hidden, **kwargs)
-        except (ValueError, TypeError, NotImplementedError):
+        except (ValueError, TypeError, NotImplementedError) as e:
+            if expected_refusal(c) is None:  # not a refusal the combination calls for
+                return f"fault: the failing call was refused unexpectedly: {type(e).__name__}: {e}"
             return None  # refused before it ran: so is the retry, and check() wants that
         except _SimulatedFault:
             pass

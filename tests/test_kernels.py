@@ -357,6 +357,24 @@ def test_forward_splits_never_costs_more_than_the_fixed_rule(row_blocks, vtiles,
     assert _grid_cost(row_blocks, vtiles, sms, s) <= 1.02 * _grid_cost(row_blocks, vtiles, sms, fixed)
 
 
+def test_a_fused_loss_keeps_its_logit_gradient_only_for_few_tokens():
+    """The Triton fused losses form dW in the backward from the kept logit gradient up to 1024
+    tokens and 512 MiB of it (faster there), in float32 in the forward past either (cuBLAS's
+    product wins: benchmarks/RESULTS.md, 2026-11-27); never with an accumulator, sequence
+    parallelism, more than one chunk, or the torch backend. Shapes alone, as the fake sees."""
+    from mcore_hooks.kernels.loss_op import _defers_weight_grad
+
+    def defers(n, v=151936, backend="triton", chunk=1 << 20, sp=False, need_w=True, into=False):
+        w = torch.empty((v, 8), dtype=torch.bfloat16, device="meta")
+        return _defers_weight_grad(backend, n, w, chunk, sp, need_w, into)
+
+    assert defers(1024) and not defers(1025)
+    assert defers(1024, v=32000) and not defers(1025, v=32000)
+    assert not defers(1024, v=300000)  # 586 MiB of logit gradient
+    assert not defers(256, backend="torch") and not defers(256, sp=True) and not defers(256, into=True)
+    assert not defers(256, chunk=128) and not defers(256, need_w=False)
+
+
 def test_forward_splits_fills_one_wave_where_the_fixed_rule_left_a_sliver():
     # 4096 tokens (32 row blocks of 128) x 151936 vocab (594 tiles of 256) on 132 SMs: the fixed
     # rule's 9 splits launch 288 programs, three waves, the last of 24; 4 splits launch one wave.

@@ -83,7 +83,7 @@ _BWD_CHUNK_BYTES = 1 << 30
 # bytes for the backward, which forms dW from it (_weight_grad_kernel: the upstream gradient
 # applied before the one rounding), instead of forming dW in float32 in the forward and scaling
 # it in the backward (V x H x 4 bytes written, read, and V x H x 2 written: 2.5 ms of a 4 ms
-# call at 256 x 4096 x 151936 on an H100). 1766 tokens at a 151936-token vocabulary.
+# call at 256 x 4096 x 151936 on an H100); and up to TritonFused.saved_dz_tokens tokens.
 _SAVED_DZ_BYTES = 512 << 20
 # The weight gradient kernel's tile: [vocabulary rows, hidden columns, tokens a step] (two
 # stages of its operands: 64 KiB of shared memory, within every family's).
@@ -172,22 +172,22 @@ def vocab_segments(vtiles: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=256)  # a few ints a call, the same ones call after call (host time)
-def forward_splits(row_blocks: int, vtiles: int, sms: int) -> int:
+def forward_splits(row_blocks: int, vtiles: int, sms: int, min_splits: int = _MIN_SPLITS) -> int:
     """Vocab splits of the statistics kernel's grid (``row_blocks x splits`` programs, one per SM
     at a time, each walking ``vtiles / splits`` vocab units: the kernel's segments, or tiles). Its
     time goes as waves x units per program: the fewest splits within 2% of the least of that, and
-    at least :data:`_MIN_SPLITS` (programs running together then share row blocks and walk the same
-    weight tiles). A rule of two programs per SM left a last wave of a few programs at 2048-4096
+    at least ``min_splits`` (:data:`_MIN_SPLITS`; programs running together then share row
+    blocks and walk the same weight tiles). A rule of two programs per SM left a last wave of a few programs at 2048-4096
     tokens: 4096 x 4096 x 151936 took 9.38 ms with it, 7.75 with this (H200,
     ``benchmarks/profile_kernels.py --splits``, on one launch over the whole call, before the
     groups of ``_FWD_GROUP`` tokens)."""
-    top = max(_MIN_SPLITS, 2 * math.ceil(2 * sms / row_blocks))
+    top = max(min_splits, 2 * math.ceil(2 * sms / row_blocks))
 
     def cost(s: int) -> int:
         per_split = math.ceil(vtiles / s)  # as the launch rounds it: splits may shrink
         return math.ceil(row_blocks * math.ceil(vtiles / per_split) / sms) * per_split
 
-    candidates = range(min(_MIN_SPLITS, vtiles), min(top, vtiles) + 1)
+    candidates = range(min(min_splits, vtiles), min(top, vtiles) + 1)
     least = min(cost(s) for s in candidates)
     return next(s for s in candidates if cost(s) <= least * 1.02)
 
@@ -274,7 +274,7 @@ class TritonFused(Backend):
         # H100, against 132 ms with a launch per group: benchmarks/RESULTS.md.)
         row_blocks = triton.cdiv(n, tile.block_n)
         group = min(row_blocks, _FWD_GROUP // tile.block_n)
-        want = forward_splits(group, segments, sms)
+        want = forward_splits(group, segments, sms, _MIN_SPLITS)  # the global read here: benchmarks vary it
         segs_per_split = triton.cdiv(segments, min(segments, want))
         splits = triton.cdiv(segments, segs_per_split)
         xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
@@ -436,13 +436,15 @@ class TritonFused(Backend):
 
     saved_dz_bytes = _SAVED_DZ_BYTES
     # ... and only up to this many tokens: the kept-dz kernel runs dW at about 480 TFLOP/s, the
-    # forward route's cuBLAS at about 700 plus a float32 [V, H] pass written, read and scaled
-    # (10 V H bytes), so the kept dz wins while 2NHV (1/480 - 1/700) < 10 VH / bandwidth, about
-    # N < 1600 whatever V and H. H200: kept 0.97 / 2.52 ms against 2.76 / 3.20 at 256 x 4096 /
-    # 1024 x 3584 x 151936; 12.45 / 10.11 against 9.80 / 6.35 at 2048 x 8192 x 151936 /
-    # 8192 x 8192 x 32000 (benchmarks/profile_calls.py --dw-tiles; the last was kept by the
-    # bytes alone, 500 MiB).
-    saved_dz_tokens = 1536
+    # forward route's cuBLAS at about 700 plus float32 traffic the kept route does not have
+    # (about 8 V H bytes: the float32 dW written, read and scaled, less the kept route's bf16
+    # dW), so the kept dz wins while 2NHV (1/480 - 1/700) < 8 VH / bandwidth: about N < 1300 on
+    # an H200, whatever V and H. Measured there (benchmarks/profile_calls.py --dw-tiles, whose
+    # cuBLAS side adds into the float32 buffer, a V H x 4 read more than the route's): kept
+    # 0.97 / 2.52 ms against 2.76 / 3.20 at 256 x 4096 / 1024 x 3584 x 151936; 12.45 / 10.11
+    # against 9.80 / 6.35 at 2048 x 8192 x 151936 / 8192 x 8192 x 32000 (the last had been
+    # kept by the bytes alone, 500 MiB). 1024: the largest size measured on the kept side.
+    saved_dz_tokens = 1024
 
     @staticmethod
     def prologue(labels: torch.Tensor, temperature: Optional[torch.Tensor], coef: float,

@@ -63,9 +63,11 @@ class Tiles:
 # sm_100's 227 KiB. sm_80 (A100, 163 KiB) keeps the wide tile with a shorter K step; sm_86 /
 # sm_89 / sm_120 (99-100 KiB) take 128 x 128. Older GPUs have no bf16 tensor cores: torch backend.
 # The hidden gradient's programs hold two float32 accumulators (a segment's partial sum and the
-# running one, see _hidden_grad_kernel); on sm_90 its 128 x 256 tile still ran fastest, ahead of
-# cuBLAS's product: 29.6 ms against 43.3 with 128 x 128 at 16384 x 4096 x 151936, 7.2 against 9.7
-# at 2048 x 8192 (cuBLAS 30.3 / 7.1; H200, benchmarks/profile_calls.py --dx-tiles; the same bits).
+# running one, see _hidden_grad_kernel); on sm_90 its 128 x 256 tile still ran fastest, level
+# with cuBLAS's product: 29.6 ms against 43.3 with 128 x 128 at 16384 x 4096 x 151936, 7.2 against
+# 9.7 at 2048 x 8192 (cuBLAS 30.3 / 7.1; H200, benchmarks/profile_calls.py --dx-tiles, the first
+# chunk's form; the same bits). Its later chunks' form (CONTINUE) spills registers; whole calls
+# with such chunks still ran faster (benchmarks/RESULTS.md, 2026-11-27).
 TILES: tuple[Tiles, ...] = (
     Tiles("sm_90", (9, 0), fwd=Tile(128, 256, 64, 8, 3), bwd=Tile(128, 256, 64, 8, 3),
           dx=Tile(128, 256, 64, 8, 3), tma=True),
