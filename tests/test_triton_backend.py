@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 
 from mcore_hooks.kernels import (  # noqa: E402
     VocabParallel, linear_cross_entropy, linear_logprob_entropy, triton_fused, triton_kernels, triton_losses,
-    triton_tiles)
+    triton_rows, triton_tiles)
 from mcore_hooks.testing import run_on_ranks  # noqa: E402
 
 pytestmark = pytest.mark.release_independent
@@ -712,7 +712,7 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
                                 capability, tiles.bwd),
         _compiled_shared_memory(triton_losses._logits_kernel, logits, flags, capability, tiles.fwd),
         _compiled_shared_memory(triton_losses._weight_grad_kernel, dw, dict(ACCUMULATE=True),
-                                capability, triton_tiles.Tile(*triton_fused._DW_TILE, 8, 2), names=dw_names),
+                                capability, triton_tiles.Tile(*triton_rows._DW_TILE, 8, 2), names=dw_names),
         _compiled_shared_memory(triton_kernels._hidden_grad_kernel, dx,
                                 dict(USE_TMA=False, GROUP=triton_fused._DX_GROUP, SPLIT=False,
                                      CONTINUE=True), capability, tiles.dx),
