@@ -128,8 +128,9 @@ def kernels(shape, paths) -> None:
 
 
 def dx_tiles(shape) -> None:
-    """The hidden gradient's kernel (``dz @ W`` over the whole vocabulary, one chunk) with
-    candidate tiles, beside cuBLAS's product."""
+    """The hidden gradient's kernel (``dz @ W`` over the whole vocabulary as one chunk, the
+    first chunk's form and a later chunk's, which adds a carried float32 sum) with candidate
+    tiles, beside cuBLAS's product."""
     import dataclasses
 
     import triton.testing
@@ -142,6 +143,7 @@ def dx_tiles(shape) -> None:
     dz = (torch.randn(n, v, device="cuda", generator=g) * 1e-3).bfloat16()
     w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).bfloat16()
     out = torch.empty(n, h, device="cuda", dtype=torch.bfloat16)
+    acc = torch.zeros(n, h, device="cuda")
     flop = 2 * n * h * v
 
     def bench(fn):
@@ -158,7 +160,10 @@ def dx_tiles(shape) -> None:
             same = "" if ref is None else ("same bits" if torch.equal(out, ref) else "OTHER BITS")
             ref = out.clone() if ref is None else ref
             t = bench(lambda: be.hidden_grad(dz, w, out))
-            print(f"  dx tile {cfg}: {t:.2f} ms ({flop / t / 1e9:.0f} TFLOP/s) {same}", flush=True)
+            seg = tf.dx_segment(v)
+            t_cont = bench(lambda: be._hidden_grad(dz, w, seg, acc, out))  # a later chunk's form
+            print(f"  dx tile {cfg}: {t:.2f} ms ({flop / t / 1e9:.0f} TFLOP/s) {same}; with a float32 "
+                  f"sum carried in (a later chunk): {t_cont:.2f} ms", flush=True)
         except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported
             print(f"  dx tile {cfg}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
 
@@ -185,9 +190,9 @@ def dw_tiles(shape) -> None:
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
 
-    from mcore_hooks.kernels.matmul import addmm_f32_
+    from mcore_hooks.kernels.matmul import mm_f32
 
-    t_mm = bench(lambda: addmm_f32_(w32, dz.t(), x))  # the forward route's float32 dW (cuBLAS)
+    t_mm = bench(lambda: mm_f32(dz.t(), x, out=w32))  # the forward route's float32 dW (one chunk: beta 0)
     t_scale = bench(lambda: tf.TritonFused.scale_cast(w32, grad, torch.bfloat16))
     print(f"=== dW at {shape}: cuBLAS into float32 {t_mm:.2f} ms, + the scaling pass to bf16 {t_scale:.2f} ms")
     ref = None
