@@ -239,6 +239,17 @@ def run_tree(a) -> None:
 
     fused, cuda = a.child == "patched", a.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    hook_calls = [0]  # VerlFusedProcessor's calls through the hook: the fused path really ran
+    if fused:
+        from mcore_hooks.integrations.verl import VerlFusedProcessor
+
+        process = VerlFusedProcessor.process
+
+        def counted(self, ctx):
+            hook_calls[0] += 1
+            return process(self, ctx)
+
+        VerlFusedProcessor.process = counted
     model = build_model(a, a.device)
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     case = series.Case("bench", (1,), (a.temperature,), tied=a.tied, mtp=a.mtp, entropy=a.entropy, seed=a.seed)
@@ -265,6 +276,7 @@ def run_tree(a) -> None:
                "lengths": list(lengths), "device": torch.cuda.get_device_name() if cuda else "cpu",
                "model_class": type(unwrap_model(model)).__name__, "param_checksum": checksum}
         times, peaks = [], []
+        hook_calls[0] = 0
         try:
             for i in range(a.warmup + a.iters):
                 model.zero_grad(set_to_none=False)  # persistent gradients, as DDP's buffer
@@ -286,7 +298,8 @@ def run_tree(a) -> None:
             values[tokens] = {"log_probs": series._valid(case, lp.float().cpu()),
                               "entropy": None if ent is None else series._valid(case, ent.float().cpu()),
                               "mtp": {k: v.float().cpu() for k, v in series._mtp_tracker().items()}}
-            row.update(ms=statistics.median(times), ms_all=[round(t, 2) for t in times],
+            row.update(hook_calls_per_step=hook_calls[0] / (a.warmup + a.iters),
+                       ms=statistics.median(times), ms_all=[round(t, 2) for t in times],
                        peak_mib=max(peaks) if cuda else None, oom=False, grad_norms=grads)
             del lp, ent
         except torch.OutOfMemoryError as e:  # a result too: the path does not fit this micro-batch
@@ -392,7 +405,9 @@ def main() -> None:
             print(f"\n{row['tokens']} tokens: same weights {row['same_weights']}, MTP loss logged by both "
                   f"{row['mtp_logged']} (max |diff| {fmt(row['mtp_loss_max_abs_diff'], '.2e')}), gradient norms "
                   f"(output layer, embedding, MTP) max relative diff {row['grad_norm_max_rel_diff']:.2e}, "
-                  f"models {row['model_class']} (patched) / {rows[rows.index(row) + 1]['model_class']} (released)")
+                  f"models {row['model_class']} (patched) / {rows[rows.index(row) + 1]['model_class']} (released), "
+                  f"VerlFusedProcessor calls a step {row.get('hook_calls_per_step')} (patched) / "
+                  f"{rows[rows.index(row) + 1].get('hook_calls_per_step')} (released)")
 
 
 if __name__ == "__main__":
