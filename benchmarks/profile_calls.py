@@ -40,19 +40,25 @@ def _host_ms(fn, calls: int) -> float:
     return t
 
 
-def host(shape, paths, calls: int = 60) -> None:
+def _runs(shape, paths, liger=None):
+    """``(name, run)`` for each of bench_sweep's entry paths named (a call forward+backward,
+    the gradients cleared first); a path not there is reported and skipped."""
     x, w, y, main_grad = _inputs(*shape)
-    table = bench_sweep.entry_paths(x, w, y, main_grad, None)
+    table = bench_sweep.entry_paths(x, w, y, main_grad, liger)
     for name in paths:
         if name not in table:
             print(f"=== {name}: not available")
             continue
-        step = table[name]
 
-        def run():
+        def run(step=table[name]):
             x.grad = w.grad = None
             step()
 
+        yield name, run
+
+
+def host(shape, paths, calls: int = 60) -> None:
+    for name, run in _runs(shape, paths):
         for _ in range(5):
             run()
         ms = min(_host_ms(run, calls) for _ in range(3))
@@ -94,19 +100,7 @@ def launch_floor() -> None:
 
 
 def kernels(shape, paths) -> None:
-    x, w, y, main_grad = _inputs(*shape)
-    liger = bench_sweep._liger()
-    table = bench_sweep.entry_paths(x, w, y, main_grad, liger)
-    for name in paths:
-        if name not in table:
-            print(f"=== {name}: not available")
-            continue
-        step = table[name]
-
-        def run():
-            x.grad = w.grad = None
-            step()
-
+    for name, run in _runs(shape, paths, bench_sweep._liger()):
         for _ in range(2):
             run()
         torch.cuda.synchronize()
