@@ -119,9 +119,10 @@ def _stats_setup(ctx, inputs, output):
 def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gathered, d_extra):
     x, weight, labels, valid, coef, m, log_s, entropy, extra_ids, extra = ctx.saved_tensors
     accumulator = ctx.accumulator
-    zero = torch.zeros_like(m)
-    g1 = torch.where(valid, d_logprob.float(), zero) if d_logprob is not None else zero
-    g2 = torch.where(valid, d_entropy.float(), zero) if d_entropy is not None else zero
+    # where(valid, g, 0): an ignored token's gradient is no input, whatever it holds (no NaN * 0)
+    zero = torch.zeros_like(m) if d_logprob is None or d_entropy is None else None
+    g1 = torch.where(valid, d_logprob.float(), 0.0) if d_logprob is not None else zero
+    g2 = torch.where(valid, d_entropy.float(), 0.0) if d_entropy is not None else zero
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     acc = accumulator if need_w else None
     e_g = d_extra.float() if d_extra is not None and extra_ids is not None else None
