@@ -162,51 +162,36 @@ def dx_tiles(shape) -> None:
             print(f"  dx tile {cfg}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
 
 
-def dw_tiles(shape) -> None:
-    """The fused losses' weight gradient from a kept logit gradient (``grad * dz.T @ x``, the
-    Triton kernel) with candidate tiles, beside cuBLAS's float32 product and the scaling pass
-    the forward route takes instead."""
-    import triton
+def dw_routes(shape) -> None:
+    """The two routes of a fused loss's weight gradient at one shape: from the logit gradient
+    kept for the backward (scaled by the upstream gradient, then cuBLAS's product:
+    ``loss_op._weight_grad``), against the forward route's float32 product and its scaling
+    pass in the backward; each also into a float32 ``main_grad``."""
     import triton.testing
 
     from mcore_hooks.kernels import triton_fused as tf
-    from mcore_hooks.kernels.triton_losses import _weight_grad_kernel
+    from mcore_hooks.kernels.loss_op import _weight_grad, accumulate_weight_grad_
+    from mcore_hooks.kernels.matmul import mm_f32
 
     n, h, v = shape
     g = torch.Generator(device="cuda").manual_seed(0)
     dz = (torch.randn(n, v, device="cuda", generator=g) * 1e-3).bfloat16()
     x = torch.randn(n, h, device="cuda", generator=g).bfloat16()
-    grad = torch.tensor([0.5], device="cuda")
-    out = torch.empty(v, h, device="cuda", dtype=torch.bfloat16)
+    grad = torch.tensor(0.5, device="cuda")
     w32 = torch.empty(v, h, device="cuda")
-    flop = 2 * n * h * v
+    acc = torch.zeros(v, h, device="cuda")
 
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
 
-    from mcore_hooks.kernels.matmul import mm_f32
-
-    t_mm = bench(lambda: mm_f32(dz.t(), x, out=w32))  # the forward route's float32 dW (one chunk: beta 0)
-    t_scale = bench(lambda: tf.TritonFused.scale_cast(w32, grad, torch.bfloat16))
-    print(f"=== dW at {shape}: cuBLAS into float32 {t_mm:.2f} ms, + the scaling pass to bf16 {t_scale:.2f} ms")
-    ref = None
-    for bv, bh, bk, nw, ns in [(128, 128, 64, 8, 2), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
-                               (256, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 32, 8, 4)]:
-        grid = (triton.cdiv(v, bv) * triton.cdiv(h, bh),)
-
-        def run():
-            _weight_grad_kernel[grid](dz, x, grad, out, n, v, h, dz.stride(0), x.stride(0), out.stride(0),
-                                      BLOCK_V=bv, BLOCK_H=bh, BLOCK_K=bk, ACCUMULATE=False,
-                                      num_warps=nw, num_stages=ns)
-
-        try:
-            run()
-            same = "" if ref is None else ("same bits" if torch.equal(out, ref) else "OTHER BITS")
-            ref = out.clone() if ref is None else ref
-            t = bench(run)
-            print(f"  dW tile {(bv, bh, bk, nw, ns)}: {t:.2f} ms ({flop / t / 1e9:.0f} TFLOP/s) {same}", flush=True)
-        except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported
-            print(f"  dW tile {(bv, bh, bk, nw, ns)}: failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+    kept = bench(lambda: _weight_grad(dz, x, grad))
+    kept_acc = bench(lambda: accumulate_weight_grad_(acc, dz, x, grad))
+    t_mm = bench(lambda: mm_f32(dz.t(), x, out=w32))  # one chunk: beta 0
+    t_cast = bench(lambda: tf.TritonFused.scale_cast(w32, grad, torch.bfloat16))
+    t_add = bench(lambda: tf.TritonFused.scale_accumulate(w32, grad, acc))
+    print(f"=== dW at {shape}: kept logit gradient {kept:.2f} ms (into main_grad {kept_acc:.2f}); "
+          f"forward route {t_mm + t_cast:.2f} ms (into main_grad {t_mm + t_add:.2f}: float32 "
+          f"product {t_mm:.2f}, scaling {t_cast:.2f} / {t_add:.2f})", flush=True)
 
 
 def main() -> None:
@@ -216,7 +201,7 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=3, default=None)
     ap.add_argument("--paths", nargs="+", default=None)
     ap.add_argument("--dx-tiles", action="store_true")
-    ap.add_argument("--dw-tiles", action="store_true")
+    ap.add_argument("--dw-routes", action="store_true")
     ap.add_argument("--dz-group", type=int, default=None,
                     help="row blocks of the logit-gradient kernel's program groups (a trial value)")
     args = ap.parse_args()
@@ -224,8 +209,8 @@ def main() -> None:
         from mcore_hooks.kernels import triton_fused
 
         triton_fused._DZ_GROUP = args.dz_group
-    if args.dw_tiles:
-        dw_tiles(args.shape or (2048, 8192, 151936))
+    if args.dw_routes:
+        dw_routes(args.shape or (1024, 4096, 151936))
     if args.dx_tiles:
         dx_tiles(args.shape or (16384, 4096, 151936))
     if args.host:

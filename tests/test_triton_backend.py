@@ -12,7 +12,7 @@ import math
 import os
 import subprocess
 import sys
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 
 from mcore_hooks.kernels import (  # noqa: E402
     VocabParallel, linear_cross_entropy, linear_logprob_entropy, triton_fused, triton_kernels, triton_losses,
-    triton_rows, triton_tiles)
+    triton_tiles)
 from mcore_hooks.testing import run_on_ranks  # noqa: E402
 
 pytestmark = pytest.mark.release_independent
@@ -627,7 +627,8 @@ def test_triton_vocab_parallel_2_ranks():
 
 @pytest.mark.parametrize("shape", SHAPES[:4], ids=lambda s: "x".join(map(str, s)))
 def test_tensor_descriptor_loads_match_pointer_loads(shape, monkeypatch):
-    """The TMA (tensor-descriptor) tile loads give the same results as the pointer loads."""
+    """The TMA (tensor-descriptor) tile loads give the same bits as the pointer loads (the
+    loads differ, not the products' order)."""
     from mcore_hooks.kernels import triton_fused
 
     if triton_fused.TensorDescriptor is None:
@@ -645,7 +646,7 @@ def test_tensor_descriptor_loads_match_pointer_loads(shape, monkeypatch):
         monkeypatch.setattr(triton_fused, "_USE_TMA", tma)
         results[tma] = _run("triton", x, w, labels, temperature, g1, g2)
     for a, b in zip(results[False], results[True]):
-        assert close(a, b, 1e-5)
+        assert torch.equal(a, b)
 
 
 def test_misaligned_views_fall_back_to_pointer_loads():
@@ -669,17 +670,14 @@ def test_misaligned_views_fall_back_to_pointer_loads():
 # --------------------------------------------------------------------------- tiles of other GPUs
 
 
-def _compiled_shared_memory(kernel, signature: dict, flags: dict, capability: int, tile,
-                            names: Optional[dict] = None) -> int:
+def _compiled_shared_memory(kernel, signature: dict, flags: dict, capability: int, tile) -> int:
     """Shared memory of ``kernel`` compiled for a GPU of this compute capability (Triton
-    cross-compiles; nothing runs, no GPU needed); ``names``: the kernel's own names of the
-    tile's block sizes."""
+    cross-compiles; nothing runs, no GPU needed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     launch = tile.launch()
     options = dict(num_warps=launch.pop("num_warps"), num_stages=launch.pop("num_stages"))
-    launch = {(names or {}).get(k, k): v for k, v in launch.items()}
     constexprs = dict(flags, **launch)
     signature = dict(signature, **{k: "constexpr" for k in constexprs})
     src = ASTSource(
@@ -702,17 +700,12 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
                   stride_w="i32", stride_z="i32")
     dx = dict(DZ="*bf16", W="*bf16", ACC="*fp32", OUT="*bf16", PARTS="*fp32", N="i32", H="i32",
               V="i32", seg_cols="i32", segments="i32", stride_dz="i32", stride_w="i32", stride_o="i32")
-    dw = dict(DZ="*bf16", X="*bf16", G="*fp32", DW="*fp32", N="i32", V="i32", H="i32",
-              stride_dz="i32", stride_x="i32", stride_dw="i32")
-    dw_names = dict(BLOCK_N="BLOCK_V", BLOCK_V="BLOCK_H")  # its tile's axes: vocabulary, hidden
     flags = dict(EVEN_K=True, USE_TMA=False)
     return [
         _compiled_shared_memory(triton_kernels._stats_fwd_kernel, fwd, flags, capability, tiles.fwd),
         _compiled_shared_memory(triton_kernels._dlogits_kernel, bwd, dict(flags, GROUP=triton_fused._DZ_GROUP),
                                 capability, tiles.bwd),
         _compiled_shared_memory(triton_losses._logits_kernel, logits, flags, capability, tiles.fwd),
-        _compiled_shared_memory(triton_losses._weight_grad_kernel, dw, dict(ACCUMULATE=True),
-                                capability, triton_tiles.Tile(*triton_rows._DW_TILE, 8, 2), names=dw_names),
         _compiled_shared_memory(triton_kernels._hidden_grad_kernel, dx,
                                 dict(USE_TMA=False, GROUP=triton_fused._DX_GROUP, SPLIT=False,
                                      CONTINUE=True), capability, tiles.dx),

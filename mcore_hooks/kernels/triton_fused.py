@@ -36,10 +36,10 @@ hidden size 2048, :attr:`TritonFused.forward_gradients_min_hidden`) take from he
 float32 logits (``_logits_kernel``, the statistics kernel's tile loop), one row kernel that forms
 each token's statistics, loss term and derivatives and its logit gradient
 (:mod:`.triton_losses`), dX (``_hidden_grad_kernel``), and for few tokens dW formed in the
-backward from the kept logit gradient (``_weight_grad_kernel``, the upstream gradient applied
-before its one rounding). Below that hidden size a fused loss takes the statistics pass, the
-per-token terms kernel and the backward above (the logits recomputed cost less than holding
-them). dW, a sum over tokens, is cuBLAS's where formed in the forward.
+backward from the kept logit gradient (cuBLAS's, the logit gradient scaled by the upstream
+gradient first, as stock's backward: ``loss_op._weight_grad``). Below that hidden size a fused
+loss takes the statistics pass, the per-token terms kernel and the backward above (the logits
+recomputed cost less than holding them). dW, a sum over tokens, is cuBLAS's where formed in the forward.
 
 The fused losses' row and per-token launches, the prologue's, and where a fused loss forms its
 weight gradient live in :mod:`.triton_rows` (:class:`~.triton_rows.TritonRows`, a base of

@@ -1,8 +1,7 @@
 """The fused losses' kernels on the Triton backend (:mod:`.triton_fused` launches them): the chunk's
 float32 logits (``_logits_kernel``), the row pass below, the row passes of a loss given as a
 Python function (``_row_stats_kernel``, ``_row_grad_kernel``), the per-token terms after the
-statistics pass, dW from a kept logit gradient (``_weight_grad_kernel``), and the float32
-gradients' scaling by the upstream gradient.
+statistics pass, and the float32 gradients' scaling by the upstream gradient.
 
 The row pass (``_row_loss_kernel``): one program a token, over its float32 logits
 (``z = x @ W.T``, ``coef`` applied on load), in one launch a chunk. It forms the token's
@@ -299,37 +298,6 @@ if triton is not None:
         g = tl.load(G)
         x = tl.load(X + offs, mask=mask, other=0.0)
         tl.store(OUT + offs, (x * g).to(OUT.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _weight_grad_kernel(DZ, X, G, DW, N, V, H, stride_dz, stride_x, stride_dw,
-                            BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                            ACCUMULATE: tl.constexpr):
-        """``DW = G[0] * dz.T @ X`` ([V, N] @ [N, H], float32 sums of exact products, times
-        the upstream gradient, rounded once to DW's dtype; ACCUMULATE: added into float32 DW,
-        Megatron's main_grad): a fused loss's weight gradient from its saved logit gradient, in
-        the backward (few tokens: the sum is short, the output long). H tile fastest: the
-        programs running together share a dz tile."""
-        pid = tl.program_id(0)
-        num_h = tl.cdiv(H, BLOCK_H)
-        vs = (pid // num_h) * BLOCK_V + tl.arange(0, BLOCK_V)
-        hs = (pid % num_h) * BLOCK_H + tl.arange(0, BLOCK_H)
-        vmask, hmask = vs < V, hs < H
-        acc = tl.zeros([BLOCK_V, BLOCK_H], dtype=tl.float32)
-        for k in range(0, N, BLOCK_K):
-            ks = k + tl.arange(0, BLOCK_K)
-            kmask = ks < N
-            a = tl.load(DZ + ks[:, None].to(tl.int64) * stride_dz + vs[None, :],
-                        mask=kmask[:, None] & vmask[None, :], other=0.0)
-            b = tl.load(X + ks[:, None].to(tl.int64) * stride_x + hs[None, :],
-                        mask=kmask[:, None] & hmask[None, :], other=0.0)
-            acc = tl.dot(tl.trans(a), b, acc)
-        g = tl.load(G)
-        at = DW + vs[:, None].to(tl.int64) * stride_dw + hs[None, :]
-        omask = vmask[:, None] & hmask[None, :]
-        if ACCUMULATE:
-            tl.store(at, tl.load(at, mask=omask, other=0.0) + acc * g, mask=omask)
-        else:
-            tl.store(at, (acc * g).to(DW.dtype.element_ty), mask=omask)
 
     @triton.jit
     def _scale_accumulate_kernel(X, G, ACC, n, BLOCK: tl.constexpr):

@@ -20,14 +20,11 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
     triton = None
 
 # A fused loss over few tokens keeps its logit gradient dz [N, V] (input dtype) up to this many
-# bytes for the backward, which forms dW from it (_weight_grad_kernel: the upstream gradient
-# applied before the one rounding), instead of forming dW in float32 in the forward and scaling
-# it in the backward (V x H x 4 bytes written, read, and V x H x 2 written: 2.5 ms of a 4 ms
-# call at 256 x 4096 x 151936 on an H100); and up to TritonFused.saved_dz_tokens tokens.
+# bytes for the backward, which forms dW from it (cuBLAS's product of the dz scaled by the
+# upstream gradient: loss_op._weight_grad), instead of forming dW in float32 in the forward and
+# scaling it in the backward (V x H x 4 bytes written, read, and V x H x 2 written: 2.5 ms of a
+# 4 ms call at 256 x 4096 x 151936 on an H100); and up to TritonFused.saved_dz_tokens tokens.
 _SAVED_DZ_BYTES = 512 << 20
-# The weight gradient kernel's tile: [vocabulary rows, hidden columns, tokens a step] (two
-# stages of its operands: 64 KiB of shared memory, within every family's).
-_DW_TILE = (128, 128, 64)
 # Tokens per program of the entry points' prologue.
 _PROLOGUE_BLOCK = 1024
 # Elements per program of the scaling of float32 gradients by the upstream gradient.
@@ -41,7 +38,7 @@ if triton is not None:  # the kernels live apart: launches here, arithmetic ther
     from .triton_kernels import _prologue_kernel
     from .triton_losses import (
         _row_grad_kernel, _row_loss_kernel, _row_stats_kernel, _scale_accumulate_kernel,
-        _scale_cast_kernel, _token_terms_kernel, _weight_grad_kernel,
+        _scale_cast_kernel, _token_terms_kernel,
     )
 
 
@@ -114,23 +111,6 @@ class TritonRows:
                 v_total, vocab_start, v_local, logit_scale, coef, BLOCK=_PROLOGUE_BLOCK,
                 PER_TOKEN=per_token, num_warps=4)
         return valid, out, local
-
-    @staticmethod
-    def weight_grad(dz: torch.Tensor, x: torch.Tensor, grad: torch.Tensor,
-                    accumulator: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``grad * dz.T @ x`` in x's dtype, rounded once (a fused loss's weight gradient from its
-        saved logit gradient ``dz [N, V]``, in the backward); added into a float32
-        ``accumulator`` (and that returned) where one is given."""
-        n, v = dz.shape
-        h = x.shape[1]
-        out = accumulator if accumulator is not None else torch.empty((v, h), dtype=x.dtype, device=x.device)
-        dz, x = dz.contiguous(), x.contiguous()
-        grid = (triton.cdiv(v, _DW_TILE[0]) * triton.cdiv(h, _DW_TILE[1]),)
-        _weight_grad_kernel[grid](dz, x, grad.float().reshape(1), out, n, v, h, dz.stride(0),
-                                  x.stride(0), out.stride(0), BLOCK_V=_DW_TILE[0],
-                                  BLOCK_H=_DW_TILE[1], BLOCK_K=_DW_TILE[2],
-                                  ACCUMULATE=accumulator is not None, num_warps=8, num_stages=2)
-        return out
 
     @staticmethod
     def scale_accumulate(t32: torch.Tensor, grad: torch.Tensor, accumulator: torch.Tensor) -> None:
