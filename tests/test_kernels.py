@@ -375,6 +375,26 @@ def test_a_fused_loss_keeps_its_logit_gradient_only_for_few_tokens():
     assert not defers(256, chunk=128) and not defers(256, need_w=False)
 
 
+def test_the_triton_fused_losses_make_a_chunks_logits_at_once_where_they_fit():
+    """Each launch of the logits kernel reads all of W, so the Triton backend makes a chunk's
+    float32 logits in one launch where they and the chunk's logit gradient fit its budget (a
+    call of one chunk is sized to its own tokens, so the chunk size cannot say so); past that,
+    and on the torch backend (whose fixed-shape blocks set their tiling through the chunk
+    size), half a chunk at a time."""
+    from mcore_hooks.kernels.autograd import Backend
+    from mcore_hooks.kernels.triton_fused import TritonFused
+
+    tri, v = TritonFused(), 151936
+    fits = TritonFused.fused_chunk_bytes // (v * 6)  # bf16 logit gradient + float32 logits
+    assert tri.logits_rows(256, 256, 256, v, 2, False) == 256
+    assert tri.logits_rows(fits, fits, fits, v, 2, False) == fits
+    assert tri.logits_rows(fits + 1, fits + 1, fits + 1, v, 2, False) == -(-(fits + 1) // 2)
+    deep = TritonFused.accumulating_chunk_bytes // (v * 6)
+    assert tri.logits_rows(deep + 1, deep + 1, deep + 1, v, 2, True) == -(-(deep + 1) // 2)
+    assert Backend().logits_rows(256, 256, 256, v, 2, False) == 128
+    assert Backend().logits_rows(256, 256, 512, v, 2, False) == 256
+
+
 def test_forward_splits_fills_one_wave_where_the_fixed_rule_left_a_sliver():
     # 4096 tokens (32 row blocks of 128) x 151936 vocab (594 tiles of 256) on 132 SMs: the fixed
     # rule's 9 splits launch 288 programs, three waves, the last of 24; 4 splits launch one wave.

@@ -148,6 +148,14 @@ class Backend:
     ) -> LocalStats:
         raise NotImplementedError
 
+    def logits_rows(self, c: int, n: int, chunk_size: int, v_local: int, itemsize: int,
+                    into: bool) -> int:
+        """Tokens of float32 logits :meth:`fused_loss` makes at a time in a chunk of ``c`` (of a
+        call of ``n``, chunks of ``chunk_size``; ``into``: dW goes into an accumulator): the
+        whole chunk where the call is at most half a chunk, else half (the chunk is sized for
+        that; fixed-shape blocks set their tiling so, :mod:`.invariant`)."""
+        return c if 2 * n <= chunk_size else -(-c // 2)
+
     def stats(
         self, x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor,
         valid: torch.Tensor, chunk_size: int, group, ordered: bool,
@@ -266,7 +274,7 @@ class Backend:
         c = min(p.chunk_size, n)
         if defer_weight_grad and (c < n or into is not None or not need_w or dw_sum is not None):
             raise ValueError("defer_weight_grad: needs the call in one chunk and dW returned")
-        cz = c if 2 * n <= p.chunk_size else -(-c // 2)
+        cz = self.logits_rows(c, n, p.chunk_size, v_local, x.element_size(), into is not None)
         z = torch.empty((cz, v_local), **f32)
         dz = torch.empty((c, v_local), dtype=x.dtype, device=x.device) if need_grad else None
         with adding_into(into if need_w else None) as adding:
