@@ -375,6 +375,24 @@ def test_a_fused_loss_keeps_its_logit_gradient_only_for_few_tokens():
     assert not defers(256, chunk=128) and not defers(256, need_w=False)
 
 
+def test_a_kept_logit_gradient_is_scaled_in_float32_and_rounded_once():
+    """The kept logit gradient times the upstream gradient: the product in float32, rounded
+    once to the gradient's dtype (a 16-bit tensor times a float32 scalar tensor would, on a
+    GPU, multiply in the 16-bit dtype with the scalar rounded first); a new tensor, the kept
+    one left for a retained graph's second backward."""
+    from mcore_hooks.kernels.loss_op import _scaled_logit_grad
+
+    g = torch.Generator().manual_seed(5)
+    dz = (torch.randn(8, 300, generator=g) * 1e-3).bfloat16()
+    before = dz.clone()
+    for grad in (1.0, 0.37, 1 / 3, 2.0**-3):
+        t = torch.tensor(grad)
+        out = _scaled_logit_grad(dz, t)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, (dz.float() * t).bfloat16())
+    assert torch.equal(dz, before)
+
+
 def test_the_triton_fused_losses_make_a_chunks_logits_at_once_where_they_fit():
     """Each launch of the logits kernel reads all of W, so the Triton backend makes a chunk's
     float32 logits in one launch where they and the chunk's logit gradient fit its budget (a

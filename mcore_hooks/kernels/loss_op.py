@@ -209,15 +209,18 @@ def _fused_setup(ctx, inputs, output):
 
 
 def _scaled(t32: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t32 * grad`` rounded to the input dtype once, without a float32 temporary of t's size
-    (in one Triton pass where it runs, eager: torch's mul into another dtype runs at half the
-    memory's speed)."""
+    """``t32 * grad`` (``t32`` float32, or the input dtype: a kept logit gradient; ``grad`` a
+    float32 scalar) rounded to ``dtype`` once, without a float32 temporary of t's size (in one
+    Triton pass where it runs, eager: torch's mul of mixed dtypes runs at a fraction of the
+    memory's speed, 0.14 ms for a 256 x 151936 bf16 logit gradient on an H200)."""
     if t32.is_cuda and t32.is_contiguous() and not tracing() and dtype != _F32:
         from . import triton_fused, triton_tiles
 
         if triton_tiles.device_tiles(t32.device) is not None:
             return triton_fused.TritonFused.scale_cast(t32, grad, dtype)
-    return torch.mul(t32, grad, out=torch.empty(t32.shape, dtype=dtype, device=t32.device))
+    # in float32, as the kernel: a 16-bit t with a float32 scalar would multiply in t's dtype,
+    # the scalar rounded to it first
+    return torch.mul(t32.float(), grad, out=torch.empty(t32.shape, dtype=dtype, device=t32.device))
 
 
 def _hidden_grad(ctx, dx32: Tensor, grad: Tensor) -> Optional[Tensor]:
@@ -234,7 +237,7 @@ def _scaled_logit_grad(dz: Tensor, grad: Tensor) -> Tensor:
     as 1 or 1 / num_microbatches; one more rounding of each element otherwise, which stock's
     own bounds: 2**-8 relative in bf16). A new tensor: a retained graph's second backward
     reads the kept one again."""
-    return torch.mul(dz, grad.reshape(()))  # a 0-dim float32 factor keeps dz's dtype
+    return _scaled(dz, grad, dz.dtype)
 
 
 def _weight_grad(dz: Tensor, x: Tensor, grad: Tensor) -> Tensor:

@@ -290,9 +290,10 @@ if triton is not None:
 
     @triton.jit
     def _scale_cast_kernel(X, G, OUT, n, BLOCK: tl.constexpr):
-        """``OUT = X * G[0]`` (float32 ``X``, a scalar's one element ``G``) rounded once to
-        OUT's dtype: the fused losses' float32 gradients times the upstream gradient. (torch's
-        mul into a tensor of another dtype takes a path half the memory bandwidth's speed.)"""
+        """``OUT = X * G[0]`` (``X`` float32, or 16-bit: a kept logit gradient; a float32
+        scalar's one element ``G``) in float32, rounded once to OUT's dtype: the fused losses'
+        gradients times the upstream gradient. (torch's mul of mixed dtypes takes a path at a
+        fraction of the memory bandwidth's speed.)"""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         g = tl.load(G)

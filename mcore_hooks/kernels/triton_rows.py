@@ -122,7 +122,8 @@ class TritonRows:
 
     @staticmethod
     def scale_cast(t32: torch.Tensor, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``t32 * grad`` (a float32 scalar tensor) rounded once to ``dtype``, in one pass."""
+        """``t32 * grad`` (``t32`` float32 or 16-bit, ``grad`` a float32 scalar tensor) in
+        float32, rounded once to ``dtype``, in one pass."""
         out = torch.empty(t32.shape, dtype=dtype, device=t32.device)
         n = t32.numel()
         if n:
