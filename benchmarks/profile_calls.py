@@ -3,6 +3,8 @@ back-to-back calls) and the device's kernels at large ones (``torch.profiler``),
 
     python benchmarks/profile_calls.py --host [--shape 256 896 32000]
     python benchmarks/profile_calls.py --kernels [--shape 16384 4096 151936] [--paths lp stock_lp]
+    python benchmarks/profile_calls.py --host-parts [--shape 256 896 32000]
+    python benchmarks/profile_calls.py --dw-routes [--shape 1024 4096 151936]
 
 ``--host`` also times the floor under the library: an empty Triton kernel's launch with as many
 arguments as the statistics kernel takes, and a tensor descriptor's construction.
@@ -83,6 +85,10 @@ if torch.cuda.is_available():
     def _empty(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, BLOCK: tl.constexpr):
         pass
 
+    @triton.jit
+    def _empty3(a, b, n, BLOCK: tl.constexpr):
+        pass
+
 
 def launch_floor() -> None:
     empty = _empty
@@ -97,6 +103,116 @@ def launch_floor() -> None:
         return
     a = torch.zeros(1024, 1024, device="cuda", dtype=torch.bfloat16)
     print(f"TensorDescriptor.from_tensor: {_host_ms(lambda: TensorDescriptor.from_tensor(a, [128, 64]), 2000) * 1e3:.1f} us")
+    da = TensorDescriptor.from_tensor(a, [128, 64])
+    _empty3[(1,)](da, da, 5, BLOCK=16)
+    _empty3[(1,)](a, a, 5, BLOCK=16)
+    print(f"empty launch, 3 arguments: two descriptors {_host_ms(lambda: _empty3[(1,)](da, da, 5, BLOCK=16), 2000) * 1e3:.1f} us, "
+          f"two pointers {_host_ms(lambda: _empty3[(1,)](a, a, 5, BLOCK=16), 2000) * 1e3:.1f} us")
+
+
+def launch_parts() -> None:
+    """An empty 20-argument launch taken apart: Triton's argument binder, and the compiled
+    kernel's own launcher called directly (Triton's internals: a probe, not for library use)."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    z = torch.zeros(16, device="cuda")
+    args = [z] * 8 + [7, 4096, 151936, 1, 2, 3, 9, 11, 64, 16, 5, 13]
+    compiled = _empty[(1,)](*args, BLOCK=16)
+    device = driver.active.get_current_device()
+    stream = driver.active.get_current_stream(device)
+    try:
+        binder = _empty.device_caches[device][-1]
+        opts = dict(BLOCK=16, debug=False, instrumentation_mode="")
+        print(f"  Triton's argument binder: {_host_ms(lambda: binder(*args, **opts), 2000) * 1e3:.1f} us")
+        values = args + [16]  # the constexpr too, as the launcher takes the bound arguments
+
+        def direct():
+            compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None,
+                         knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *values)
+
+        print(f"  the compiled kernel's launcher, called directly: {_host_ms(direct, 2000) * 1e3:.1f} us")
+    except (TypeError, AttributeError, KeyError) as e:  # another Triton's internals
+        print(f"  the binder or the compiled kernel's launcher: not callable here ({e})")
+
+
+def host_parts(shape) -> None:
+    """Where the host time of a log-prob call (forward + backward) goes: the call, its forward
+    with and without a graph, each Triton launch timed inside the call, and the call with the
+    launches replaced by no-ops; beside a bare product with its backward."""
+    import collections
+
+    from mcore_hooks.kernels import linear_logprob_entropy
+    from mcore_hooks.kernels import triton_fused, triton_rows
+
+    x, w, y, _ = _inputs(*shape)
+
+    def full():
+        x.grad = w.grad = None
+        r = linear_logprob_entropy(x, w, y)
+        (r.logprob.sum() + r.entropy.sum()).backward()
+
+    def forward():
+        linear_logprob_entropy(x, w, y)
+
+    def no_grad():
+        with torch.no_grad():
+            linear_logprob_entropy(x, w, y)
+
+    def bare():
+        x.grad = w.grad = None
+        (x @ w.t()).float().sum().backward()
+
+    def best(fn, calls=300):
+        for _ in range(20):
+            fn()
+        return min(_host_ms(fn, calls) for _ in range(5))
+
+    print(f"=== host time of linear_logprob_entropy at {shape}, ms a call (back-to-back)")
+    print(f"  forward + backward {best(full):.3f}; forward {best(forward):.3f}; forward without "
+          f"grad {best(no_grad):.3f}; a bare x @ w.T, float, backward {best(bare):.3f}")
+    times = collections.defaultdict(list)
+    kernels = [(m, k, v) for m in (triton_fused, triton_rows) for k, v in list(vars(m).items())
+               if k.startswith("_") and k.endswith("_kernel")]
+
+    class Timed:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*a, **kw):
+                t0 = time.perf_counter()
+                launch(*a, **kw)
+                times[self.name].append((time.perf_counter() - t0) * 1e6)
+
+            return run
+
+    class NoOp:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: None
+
+    try:
+        for m, k, v in kernels:
+            setattr(m, k, Timed(v, k))
+        for _ in range(50):
+            full()
+        torch.cuda.synchronize()
+        times.clear()
+        for _ in range(200):
+            full()
+        torch.cuda.synchronize()
+        for k, t in times.items():
+            t.sort()
+            print(f"  {k}: {t[len(t) // 2]:.1f} us a launch inside the call (median), {t[0]:.1f} least")
+        for m, k, v in kernels:
+            setattr(m, k, NoOp())
+        print(f"  launches replaced by no-ops: forward + backward {best(full):.3f}; forward without "
+              f"grad {best(no_grad):.3f}")
+    finally:
+        for m, k, v in kernels:
+            setattr(m, k, v)
 
 
 def kernels(shape, paths) -> None:
@@ -202,6 +318,8 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", default=None)
     ap.add_argument("--dx-tiles", action="store_true")
     ap.add_argument("--dw-routes", action="store_true")
+    ap.add_argument("--host-parts", action="store_true",
+                    help="where a small log-prob call's host time goes (launches taken apart)")
     ap.add_argument("--dz-group", type=int, default=None,
                     help="row blocks of the logit-gradient kernel's program groups (a trial value)")
     args = ap.parse_args()
@@ -213,6 +331,10 @@ def main() -> None:
         dw_routes(args.shape or (1024, 4096, 151936))
     if args.dx_tiles:
         dx_tiles(args.shape or (16384, 4096, 151936))
+    if args.host_parts:
+        launch_floor()
+        launch_parts()
+        host_parts(args.shape or (256, 896, 32000))
     if args.host:
         launch_floor()
         host(args.shape or (256, 896, 32000),

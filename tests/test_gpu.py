@@ -83,6 +83,20 @@ def _hook_keywords(processor_batch):
     return seen, batch
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_kept_logit_gradient_is_scaled_in_float32_on_the_gpu(dtype):
+    """The Triton pass scaling a fused loss's kept logit gradient by the upstream gradient:
+    float32 products rounded once (torch's CUDA mul of a 16-bit tensor by a float32 scalar
+    tensor rounds the scalar first), as the torch form does."""
+    from mcore_hooks.kernels.loss_op import _scaled_logit_grad
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dz = (torch.randn(64, 5000, device="cuda", generator=g) * 1e-3).to(dtype)
+    for grad in (1.0, 0.37, 1 / 3, 2.0**-3):
+        t = torch.tensor(grad, device="cuda")
+        assert torch.equal(_scaled_logit_grad(dz, t), (dz.float() * t).to(dtype))
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd", "thd"])
 def test_processors_never_synchronise_with_the_host(packed):
     """Forward and backward of every bundled processor and both integrations (Triton backend),

@@ -359,8 +359,8 @@ def test_forward_splits_never_costs_more_than_the_fixed_rule(row_blocks, vtiles,
 
 def test_a_fused_loss_keeps_its_logit_gradient_only_for_few_tokens():
     """The Triton fused losses form dW in the backward from the kept logit gradient up to 1024
-    tokens and 512 MiB of it (faster there), in float32 in the forward past either (cuBLAS's
-    product wins: benchmarks/RESULTS.md, 2026-11-27); never with an accumulator, sequence
+    tokens and 512 MiB of it (faster there: no float32 dW written, read and scaled), in float32
+    in the forward past either (benchmarks/RESULTS.md, 2026-11-27); never with an accumulator, sequence
     parallelism, more than one chunk, or the torch backend. Shapes alone, as the fake sees."""
     from mcore_hooks.kernels.loss_op import _defers_weight_grad
 
@@ -378,8 +378,10 @@ def test_a_fused_loss_keeps_its_logit_gradient_only_for_few_tokens():
 def test_a_kept_logit_gradient_is_scaled_in_float32_and_rounded_once():
     """The kept logit gradient times the upstream gradient: the product in float32, rounded
     once to the gradient's dtype (a 16-bit tensor times a float32 scalar tensor would, on a
-    GPU, multiply in the 16-bit dtype with the scalar rounded first); a new tensor, the kept
-    one left for a retained graph's second backward."""
+    GPU, multiply in the 16-bit dtype with the scalar rounded first; on the CPU torch's mul
+    already computes in float32, so this guards the torch form's formula, and
+    tests/test_gpu.py the Triton pass's); a new tensor, the kept one left for a retained
+    graph's second backward."""
     from mcore_hooks.kernels.loss_op import _scaled_logit_grad
 
     g = torch.Generator().manual_seed(5)

@@ -346,7 +346,9 @@ def linear_cross_entropy(
         ignore_index: the label of skipped positions.
         parallel: the vocab-parallel layout (:class:`VocabParallel`).
         chunk_size: tokens per chunk (default: their logit gradient and half a chunk of fp32
-            logits in about 2.5 GiB with the Triton backend, 256 MiB with torch).
+            logits in about 2.5 GiB with the Triton backend, 256 MiB with torch; the Triton
+            backend makes the whole chunk's logits at once where they fit that budget, so a
+            chunk_size of your own may hold up to 1.5x the memory half a chunk's would).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         weight_grad_accumulator: a float32 tensor shaped like ``weight`` (Megatron's
             ``main_grad``) that the weight's gradient is added into instead of being returned.

@@ -269,8 +269,8 @@ class Backend:
             if need_w and into is None else None
         need_grad = need_x or need_w
         # dz holds `chunk_size` tokens (the K of each dW product: fewer passes over the fp32
-        # accumulator); their fp32 logits are made half a chunk at a time (the chunk is sized
-        # for that), or all at once where the whole call is at most half the budget's chunk.
+        # accumulator); their fp32 logits are made `logits_rows` tokens at a time (the backend
+        # says: half a chunk, the chunk being sized for that, or all of it where it fits).
         c = min(p.chunk_size, n)
         if defer_weight_grad and (c < n or into is not None or not need_w or dw_sum is not None):
             raise ValueError("defer_weight_grad: needs the call in one chunk and dW returned")

@@ -210,9 +210,10 @@ def _fused_setup(ctx, inputs, output):
 
 def _scaled(t32: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:
     """``t32 * grad`` (``t32`` float32, or the input dtype: a kept logit gradient; ``grad`` a
-    float32 scalar) rounded to ``dtype`` once, without a float32 temporary of t's size (in one
-    Triton pass where it runs, eager: torch's mul of mixed dtypes runs at a fraction of the
-    memory's speed, 0.14 ms for a 256 x 151936 bf16 logit gradient on an H200)."""
+    float32 scalar) in float32, rounded to ``dtype`` once: one Triton pass where it runs, eager
+    (torch's mul of mixed dtypes runs at a fraction of the memory's speed, 0.14 ms for a 256 x
+    151936 bf16 logit gradient on an H200); else torch, through a float32 copy of a 16-bit
+    ``t32``."""
     if t32.is_cuda and t32.is_contiguous() and not tracing() and dtype != _F32:
         from . import triton_fused, triton_tiles
 
@@ -233,19 +234,21 @@ def _hidden_grad(ctx, dx32: Tensor, grad: Tensor) -> Optional[Tensor]:
 def _scaled_logit_grad(dz: Tensor, grad: Tensor) -> Tensor:
     """The kept logit gradient times the upstream gradient, rounded to its dtype once: as stock's
     backward rounds its float32 logit gradient, the upstream gradient in it, to the logits'
-    dtype before its weight-gradient product (the same bits for a power-of-two gradient, such
-    as 1 or 1 / num_microbatches; one more rounding of each element otherwise, which stock's
-    own bounds: 2**-8 relative in bf16). A new tensor: a retained graph's second backward
-    reads the kept one again."""
+    dtype before its weight-gradient product. A power-of-two gradient (1, 1 / num_microbatches)
+    adds no rounding in bf16 (in fp16 a small one may reach its subnormals, a large one
+    overflow, as stock's fp16 logit gradient would); another rounds each element once more,
+    2**-8 relative in bf16, the size of stock's own rounding. A new tensor (N x V in dz's
+    dtype, for the backward's product): a retained graph's second backward reads the kept one
+    again."""
     return _scaled(dz, grad, dz.dtype)
 
 
 def _weight_grad(dz: Tensor, x: Tensor, grad: Tensor) -> Tensor:
     """``dW = (grad * dz).T @ x`` in x's dtype from the kept logit gradient ``dz [N, V]``:
     cuBLAS's product (float32 sums, one rounding), as stock forms dW. (A Triton kernel applying
-    ``grad`` to the float32 sum ran at 0.96 ms against cuBLAS's 0.41 at 256 x 4096 x 151936,
-    2.99 against 1.55 at 512 x 8192, H200: its tiles' short sums end in long epilogues that
-    cuBLAS's persistent kernels overlap.)"""
+    ``grad`` to the float32 sum took 0.96 ms where stock's cuBLAS dW took 0.52 at 256 x 4096 x
+    151936, 2.99 against 1.87 at 512 x 8192, H200: its tiles' short sums end in long epilogues
+    that cuBLAS's persistent kernels overlap.)"""
     return torch.mm(_scaled_logit_grad(dz, grad).t(), x)
 
 

@@ -82,15 +82,13 @@ class TritonRows:
         return None
 
     saved_dz_bytes = _SAVED_DZ_BYTES
-    # ... and only up to this many tokens: the kept-dz kernel runs dW at about 480 TFLOP/s, the
-    # forward route's cuBLAS at about 700 plus float32 traffic the kept route does not have
-    # (about 8 V H bytes: the float32 dW written, read and scaled, less the kept route's bf16
-    # dW), so the kept dz wins while 2NHV (1/480 - 1/700) < 8 VH / bandwidth: about N < 1300 on
-    # an H200, whatever V and H. Measured there (benchmarks/profile_calls.py --dw-tiles, whose
-    # cuBLAS side adds into the float32 buffer, a V H x 4 read more than the route's): kept
-    # 0.97 / 2.52 ms against 2.76 / 3.20 at 256 x 4096 / 1024 x 3584 x 151936; 12.45 / 10.11
-    # against 9.80 / 6.35 at 2048 x 8192 x 151936 / 8192 x 8192 x 32000 (the last had been
-    # kept by the bytes alone, 500 MiB). 1024: the largest size measured on the kept side.
+    # ... and only up to this many tokens. Both routes form dW with cuBLAS; the kept one scales
+    # dz (4 N V bytes of traffic) and holds it (2 N V) where the forward route writes, reads and
+    # scales a float32 dW (about 8 V H more) and holds it (4 V H). benchmarks/profile_calls.py
+    # --dw-routes on an H200, kept against forward route: 0.69 / 1.60 ms at 256 x 4096 x 151936,
+    # 4.15 / 6.02 at 1024 x 8192 x 151936, 0.92 / 1.00 at 2048 x 4096 x 32000, 1.90 / 1.76 at
+    # 4096 x 4096 x 32000: the kept route leads to about 2048 tokens. 1024: the largest size
+    # measured with the whole call on the kept side (benchmarks/RESULTS.md).
     saved_dz_tokens = 1024
 
     @staticmethod
