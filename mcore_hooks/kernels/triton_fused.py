@@ -39,10 +39,10 @@ each token's statistics, loss term and derivatives and its logit gradient
 backward from the kept logit gradient (cuBLAS's, the logit gradient scaled by the upstream
 gradient first, as stock's backward: ``loss_op._weight_grad``). Below that hidden size a fused
 loss takes the statistics pass, the per-token terms kernel and the backward above (the logits
-recomputed cost less than holding them). dW, a sum over tokens, is cuBLAS's where formed in the forward.
+recomputed cost less than holding them). dW, a sum over tokens, is cuBLAS's either way.
 
-The fused losses' row and per-token launches, the prologue's, and where a fused loss forms its
-weight gradient live in :mod:`.triton_rows` (:class:`~.triton_rows.TritonRows`, a base of
+The fused losses' row and per-token launches, the prologue's, the scaling passes and the rule
+for keeping a logit gradient live in :mod:`.triton_rows` (:class:`~.triton_rows.TritonRows`, a base of
 :class:`TritonFused`).
 
 Tile shapes depend on the GPU: :data:`~.triton_tiles.TILES` holds one set per family (sm_90,

@@ -1,7 +1,8 @@
 """Triton backend: the fused losses' per-row and per-token launches (their kernels in
-:mod:`.triton_losses`, the prologue's in :mod:`.triton_kernels`), and where a fused loss forms
-its weight gradient. :class:`TritonRows` is the part of :class:`~.triton_fused.TritonFused` that
-works on rows of materialised logits, per-token values and whole-weight gradients; the passes
+:mod:`.triton_losses`, the prologue's in :mod:`.triton_kernels`), the scaling of their
+gradients by the upstream gradient, and the rule for keeping a logit gradient for the backward.
+:class:`TritonRows` is the part of :class:`~.triton_fused.TritonFused` that works on rows of
+materialised logits, per-token values and whole gradients; the passes
 over the vocabulary (statistics, the backward's chunks, dX) stay in :mod:`.triton_fused`."""
 
 from __future__ import annotations
