@@ -20,7 +20,7 @@ import torch
 
 from mcore_hooks import LogprobEntropyProcessor, PolicyLossProcessor, debug_checks
 from mcore_hooks.kernels import Truncation, linear_logprob_entropy, linear_policy_loss
-from mcore_hooks.kernels import candidates as cand
+from mcore_hooks.kernels import truncation
 from mcore_hooks.rollout import sampling_mask_ids
 from mcore_hooks.testing import hook_keywords
 from tolerances import C, grad_bounds, logit_grad_reference, logprob_error, ratio
@@ -81,7 +81,7 @@ def _ours(logits, k, p, min_p, engine, width=None, ties=16):
     log_s = torch.log(torch.exp(logits - m.unsqueeze(1)).sum(1))
     t = Truncation(top_k=k, top_p=p, min_p=min_p, engine=engine, ties=ties)
     opts = t._per_token(n, logits.device, v)
-    kept, overflow = cand.truncate(values, ids, opts, engine, m, log_s, v)
+    kept, overflow = truncation.truncate(values, ids, opts, engine, m, log_s, v)
     keep = torch.zeros(n, v, dtype=torch.long).scatter_add_(1, kept.clamp(min=0), (kept >= 0).long()) > 0
     probs = torch.exp(logits - m.unsqueeze(1)) / torch.exp(log_s).unsqueeze(1)
     return keep, overflow, probs

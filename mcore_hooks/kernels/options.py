@@ -1,10 +1,13 @@
-"""Options the kernels take as data (no models): how the vocabulary is split across ranks."""
+"""Options the kernels take as data (no models): how the vocabulary is split across ranks; and
+what the log-prob entry point returns (:class:`LogprobEntropy`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
+
+import torch
 
 
 def is_finite(x: Any) -> bool:
@@ -81,3 +84,29 @@ class KernelParams:
     def n(self) -> int:
         """Tokens (all of them under sequence parallelism)."""
         return self.labels.shape[0]
+
+
+class LogprobEntropy(NamedTuple):
+    """What :func:`linear_logprob_entropy` returns, per token ``[N]``.
+
+    Attributes:
+        logprob: float32 log-probability of the label (None when no labels were given).
+        entropy: float32 entropy of the distribution.
+        logz: float32 log of the softmax's normaliser (no gradient).
+        label_is_argmax: bool, whether the label is the most likely token (None without labels;
+            multi-token prediction's acceptance).
+        selected: float32 ``[N, K]`` log-probabilities of ``selected_ids`` under the full
+            distribution (None when none were given).
+        label_outside: bool ``[N]``, with a kept set (None otherwise): the counted tokens whose
+            label was not in it. Replayed (``kept_ids``), a rollout/trainer mismatch: refused
+            where values are checked, else that token's results are NaN. Recomputed
+            (``truncation``), the trainer's logits put the sampled token outside the engine's
+            rule: the label is kept all the same. Log its mean to watch the mismatch.
+    """
+
+    logprob: Optional[torch.Tensor]
+    entropy: torch.Tensor
+    logz: torch.Tensor
+    label_is_argmax: Optional[torch.Tensor] = None
+    selected: Optional[torch.Tensor] = None
+    label_outside: Optional[torch.Tensor] = None
