@@ -360,8 +360,9 @@ def test_forward_splits_never_costs_more_than_the_fixed_rule(row_blocks, vtiles,
 def test_a_fused_loss_keeps_its_logit_gradient_only_for_few_tokens():
     """The Triton fused losses form dW in the backward from the kept logit gradient up to 1024
     tokens and 512 MiB of it (faster there: no float32 dW written, read and scaled), in float32
-    in the forward past either (benchmarks/RESULTS.md, 2026-11-27); never with an accumulator, sequence
-    parallelism, more than one chunk, or the torch backend. Shapes alone, as the fake sees."""
+    in the forward past either (benchmarks/RESULTS.md, 2026-11-27); never with an accumulator,
+    sequence parallelism, more than one chunk, or the torch backend. Shapes alone, as the fake
+    sees."""
     from mcore_hooks.kernels.loss_op import _defers_weight_grad
 
     def defers(n, v=151936, backend="triton", chunk=1 << 20, sp=False, need_w=True, into=False):
