@@ -42,8 +42,8 @@ loss takes the statistics pass, the per-token terms kernel and the backward abov
 recomputed cost less than holding them). dW, a sum over tokens, is cuBLAS's either way.
 
 The fused losses' row and per-token launches, the prologue's, the scaling passes and the rule
-for keeping a logit gradient live in :mod:`.triton_rows` (:class:`~.triton_rows.TritonRows`, a base of
-:class:`TritonFused`).
+for keeping a logit gradient live in :mod:`.triton_rows` (:class:`~.triton_rows.TritonRows`, a
+base of :class:`TritonFused`).
 
 Tile shapes depend on the GPU: :data:`~.triton_tiles.TILES` holds one set per family (sm_90,
 sm_80, sm_86/89), chosen by compute capability and the per-block shared memory the device offers
