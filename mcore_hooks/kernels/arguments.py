@@ -227,7 +227,7 @@ def _fused_chunk_size(backend: type[Backend], n: int, v_local: int, itemsize: in
     so the last chunk is not a sliver."""
     if n == 0:
         return 1
-    budget = backend.accumulating_chunk_bytes if into_accumulator else backend.fused_chunk_bytes
+    budget = backend.chunk_bytes(into_accumulator)
     most = max(1, budget // (max(1, v_local) * (itemsize + 2)))
     chunks = -(-n // most)
     even = -(-n // chunks)

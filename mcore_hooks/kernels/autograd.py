@@ -142,6 +142,12 @@ class Backend:
     fused_chunk_bytes: int = 1 << 28
     accumulating_chunk_bytes: int = 1 << 28
 
+    @classmethod
+    def chunk_bytes(cls, into: bool) -> int:
+        """The fused losses' chunk budget: ``accumulating_chunk_bytes`` where dW goes into an
+        accumulator in the forward (``into``), else ``fused_chunk_bytes``."""
+        return cls.accumulating_chunk_bytes if into else cls.fused_chunk_bytes
+
     def local_stats(
         self, x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor,
         chunk_size: int,

@@ -222,8 +222,7 @@ class TritonFused(TritonRows, Backend):
         # logits kernel reads all of W, so two half chunks read it twice (256 x 4096 x 151936,
         # H200: 0.74 ms for the two halves, 0.50 at once; stock's cuBLAS logits 0.41). The
         # chunk size alone cannot say so: a call of one chunk is sized to its own tokens.
-        budget = self.accumulating_chunk_bytes if into else self.fused_chunk_bytes
-        if c * v_local * (itemsize + 4) <= budget:
+        if c * v_local * (itemsize + 4) <= self.chunk_bytes(into):
             return c
         return super().logits_rows(c, n, chunk_size, v_local, itemsize, into)
 
