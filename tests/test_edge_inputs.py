@@ -332,22 +332,24 @@ def test_a_requests_truncation_is_its_own_beside_wider_ones(engine):
 def test_a_request_without_top_k_does_not_widen_the_others(monkeypatch):
     """``top_k=-1`` (vLLM's default: none) in one request made every token's kept set the
     whole vocabulary (``[tokens, V]`` kept logits for all). Its tokens are now a group of their
-    own: the others' kept logits stay as narrow as their own options."""
-    from mcore_hooks.kernels import candidates_op
+    own, whose top-p nucleus goes by a floor (no kept set made at all): the others' kept logits
+    stay as narrow as their own options."""
+    from mcore_hooks.kernels import candidates_op, nucleus
 
-    shapes = []
-    real = candidates_op.logits_of
+    shapes, floors = [], []
+    real, real_floor = candidates_op.logits_of, nucleus.renormalised
 
     def spy(hidden, weight, ids, p):
         shapes.append(tuple(ids.shape))
         return real(hidden, weight, ids, p)
 
     monkeypatch.setattr(candidates_op, "logits_of", spy)
+    monkeypatch.setattr(nucleus, "renormalised", lambda h, *a, **k: floors.append(h.shape[0]) or real_floor(h, *a, **k))
     v, per = 512, 6
     x, w, y = _data(n=2 * per, h=8, v=v, seed=3)
     t = Truncation(top_k=[8] * per + [-1] * per, top_p=0.9)
     linear_logprob_entropy(x, w, y, truncation=t, backend="torch")
-    assert sorted(shapes) == [(per, 48), (per, 528)], shapes  # 8 + 16 ties + the label, to 16s
+    assert shapes == [(per, 48)] and floors == [per], (shapes, floors)  # 8 + 16 ties + the label, to 16s
 
 
 def test_a_groups_error_names_the_token_in_the_call():
@@ -394,3 +396,66 @@ def test_a_truncation_that_keeps_everything_takes_the_full_distribution(monkeypa
 
     bound = logprob_error(logit_grad_reference(x0, w0, y, lambda lp, ent: lp, temperature=0.8), x0, w0)
     assert ((wide.logprob - full.logprob).abs().double() <= 2 * C * bound.squeeze(1)).all()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_nucleus_without_top_k_cut_inside_ties_keeps_what_the_gathered_set_keeps(engine):
+    """A request without top-k goes by a floor (the set's smallest logit and the last id kept
+    among its ties), not by gathering ``[tokens, V]``. Where top-p cuts inside a group of tied
+    logits, the floor keeps the same ids as the gathered set's rule (ties by ascending id; the
+    label ahead of its ties for SGLang): here against ``top_k = V - 20``, which min-p makes a
+    no-op, so both name one set; log-probs, entropies and gradients to float32 rounding,
+    ``label_outside`` equal."""
+    g = torch.Generator().manual_seed(8)
+    n, h, v = 6, 16, 40
+    w0 = torch.randn(v, h, generator=g)
+    x = torch.randn(n, h, generator=g)
+    for i in range(n):
+        li = x[i] @ w0.t()
+        tied = li.argsort(descending=True)[1:4]  # ranks 1-3 made equal (equal weight rows)
+        w = w0.clone()
+        w[tied] = w0[tied[0]]
+        p = torch.softmax((x[i] @ w.t()).double(), 0)
+        top = p.argsort(descending=True)
+        p_top, p_tie = float(p[top[0]]), float(p[tied[0]])
+        min_p = 0.5 * (p_tie + float(p[top[4]])) / p_top  # the ties kept, the 36 below them dropped
+        # the boundary inside the tie, two of three kept (vLLM's top-p renormalises min-p's
+        # survivors, SGLang's does not)
+        top_p = (p_top + 1.5 * p_tie) / ((p_top + 3 * p_tie) if engine == "vllm" else 1.0)
+        label = torch.tensor([int(tied.max())])  # the highest id of the ties
+        out = []
+        for k in (-1, v - 20):
+            xg, wg = x[i : i + 1].clone().requires_grad_(), w.clone().requires_grad_()
+            t = Truncation(top_k=k, top_p=top_p, min_p=min_p, engine=engine, ties=1)
+            r = linear_logprob_entropy(xg, wg, label, truncation=t, backend="torch")
+            (r.logprob.sum() + 0.5 * r.entropy.sum()).backward()
+            out.append((r.logprob, r.entropy, r.label_outside, xg.grad, wg.grad))
+        assert torch.equal(out[0][2], out[1][2]), i
+        assert bool(out[0][2][0]) == (engine == "vllm")  # SGLang's label in place of a tie
+        for a, b in zip(out[0][:2] + out[0][3:], out[1][:2] + out[1][3:]):
+            # float32 logits of size O(10) over a few kept terms: a few ulps of 10
+            assert torch.allclose(a, b, rtol=0, atol=1e-5), (i, (a - b).abs().max())
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_nucleus_by_floor_is_batch_invariant(engine):
+    """A token's nucleus (no top-k) results and dX row are the same bits alone and in a call
+    of 70 (past the CPU's 64-token block), at another place: the floor and the passes over
+    it run on the fixed-shape blocks."""
+    g = torch.Generator().manual_seed(4)
+    v, h = 300, 16
+    w0 = torch.randn(v, h, generator=g) / 2
+    x0 = torch.randn(70, h, generator=g)
+    y = torch.randint(0, v, (70,), generator=g)
+
+    def run(rows):
+        x, w = x0[rows].clone().requires_grad_(), w0.clone().requires_grad_()
+        t = Truncation(top_k=-1, top_p=0.9, min_p=0.01, engine=engine)
+        r = linear_logprob_entropy(x, w, y[rows], truncation=t, backend="torch")
+        (r.logprob.sum() + r.entropy.sum()).backward()
+        return r.logprob, r.entropy, r.label_outside, x.grad
+
+    alone = run(torch.arange(60, 65))
+    beside = run(torch.arange(70).roll(5))  # tokens 60-64 at places 65-69
+    for name, a, b in zip(("logprob", "entropy", "label_outside", "dX"), alone, beside):
+        assert torch.equal(a, b[65:70]), name

@@ -751,9 +751,10 @@ def test_rollout_paths_on_cuda_match_float64(backend):
     def rel(a, b):
         return ((a.double() - b).norm() / b.norm()).item()
 
-    for case in ("kept", "truncation", "selected"):
+    for case in ("kept", "truncation", "nucleus", "selected"):
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         opts = {"kept": dict(kept_ids=kept), "truncation": dict(truncation=Truncation(top_k=16, top_p=0.9)),
+                "nucleus": dict(truncation=Truncation(top_k=-1, top_p=0.9)),  # by a floor
                 "selected": dict(selected_ids=ids)}[case]
         r = linear_logprob_entropy(xg, wg, y, temperature=0.8, backend=backend, **opts)
         out = r.selected if case == "selected" else r.logprob
@@ -766,7 +767,7 @@ def test_rollout_paths_on_cuda_match_float64(backend):
             if case == "kept":
                 keep = _keep_mask(kept, full.shape)
             else:
-                top = logits.topk(16, 1)
+                top = logits.topk(16 if case == "truncation" else logits.shape[1], 1)
                 srt, order = top.values.sort(1)
                 cum = torch.softmax(srt, 1).cumsum(1)
                 drop = cum <= 1 - 0.9
@@ -819,6 +820,25 @@ def test_default_triton_path_is_batch_invariant(given):
         return [r.logprob, r.entropy, xg.grad] + ([r.selected] if r.selected is not None else [])
 
     _assert_alone_as_in_calls(run, probe, fewer=(1,))
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_nucleus_by_floor_is_batch_invariant_on_cuda(engine):
+    """A truncation without top-k (its set given by a floor, the torch backend's passes over
+    it on fixed-shape blocks, on the default backend): a token's log-prob, entropy,
+    ``label_outside`` and dX row are bitwise equal in calls of 1 to 16384 tokens, first or last."""
+    from mcore_hooks.kernels import Truncation, linear_logprob_entropy
+
+    x, w, y, _, _ = _rollout_data(n=16384, hidden=256, vocab=32003)
+    t = Truncation(top_k=-1, top_p=0.9, min_p=0.001, engine=engine)
+
+    def run(rows):
+        xg = x[rows].clone().requires_grad_()
+        r = linear_logprob_entropy(xg, w, y[rows], truncation=t)
+        (r.logprob.sum() + 0.5 * r.entropy.sum()).backward()
+        return [r.logprob, r.entropy, r.label_outside, xg.grad]
+
+    _assert_alone_as_in_calls(run, 7, fewer=(1,))
 
 
 @pytest.mark.parametrize("loss", ["cross_entropy", "policy_loss"])

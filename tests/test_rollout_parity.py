@@ -167,10 +167,12 @@ def _vllm_reference(logits, top_k, top_p, min_p):
     return torch.isfinite(torch.empty_like(l).scatter(1, idx, s))
 
 
-@pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (10, 0.8, 0.0), (12, 0.9, 0.05), (50, 0.7, 0.0)])
+@pytest.mark.parametrize("top_k,top_p,min_p", [(5, 1.0, 0.0), (10, 0.8, 0.0), (12, 0.9, 0.05), (50, 0.7, 0.0),
+                                                (-1, 0.9, 0.0), (-1, 1.0, 0.05), (40, 0.8, 0.02)])
 def test_recomputed_truncation_keeps_what_nemo_rl_and_vllm_keep(top_k, top_p, min_p, path):
     """The kept set (plus the label) and the renormalised log-prob, entropy and gradients, against
-    the two projects' formulas applied to float64 logits."""
+    the two projects' formulas applied to float64 logits. A set as wide as the vocabulary (no
+    top-k, or a top-k whose room for ties passes it: the last three) goes by a floor."""
     x, w, labels, _ = _data(torch.float32, seed=3)
     t = torch.linspace(0.6, 1.2, N)
     trunc = Truncation(top_k=top_k, top_p=top_p, min_p=min_p)
@@ -178,9 +180,10 @@ def test_recomputed_truncation_keeps_what_nemo_rl_and_vllm_keep(top_k, top_p, mi
     r = linear_logprob_entropy(xg, wg, labels, truncation=trunc, temperature=t)
     (r.logprob.sum() - 0.2 * r.entropy.sum()).backward()
     logits = (x.double() @ w.double().t()) / t.double()[:, None]
-    vllm = _vllm_reference(logits, top_k, top_p, min_p)
+    k = top_k if 0 < top_k <= V else V  # none: the vocabulary, as vLLM normalises it
+    vllm = _vllm_reference(logits, k, top_p, min_p)
     if min_p == 0:
-        assert torch.equal(vllm, _nemo_rl_top_k_top_p(logits, top_k, top_p))  # the same rule
+        assert torch.equal(vllm, _nemo_rl_top_k_top_p(logits, k, top_p))  # the same rule
     valid = labels != -100
     keep = vllm.clone()
     keep[valid, labels[valid]] = True  # the sampled token is in every sampler's kept set

@@ -164,12 +164,14 @@ class Backend:
 
     def stats(
         self, x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor,
-        valid: torch.Tensor, chunk_size: int, group, ordered: bool,
+        valid: torch.Tensor, chunk_size: int, group, ordered: bool, floor: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, ...]:
         """The log-prob/entropy pass's results, float32 ``[N]``: ``(logprob, entropy, logZ,
         label_is_argmax, max, log_s)``, the first two 0 where not ``valid``; ``local_stats``
-        combined over ``group`` (``ordered``: `comm.all_reduce`'s)."""
-        st = combine(self.local_stats(x, weight, coef, local_label, chunk_size), group, ordered)
+        combined over ``group`` (``ordered``: `comm.all_reduce`'s). ``floor``: over each token's
+        kept set (the torch backend's, :mod:`.nucleus`)."""
+        fl = {} if floor is None else {"floor": floor}
+        st = combine(self.local_stats(x, weight, coef, local_label, chunk_size, **fl), group, ordered)
         return (torch.where(valid, st.logprob(), 0.0), torch.where(valid, st.entropy, 0.0),
                 st.max + st.log_s, valid & label_is_row_max(st), st.max, st.log_s)
 

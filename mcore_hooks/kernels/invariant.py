@@ -99,23 +99,36 @@ class InvariantBlocks(Backend):
         self.fused_chunk_bytes = inner.fused_chunk_bytes
         self.accumulating_chunk_bytes = inner.accumulating_chunk_bytes
 
-    def local_stats(self, x, weight, coef, local_label, chunk_size) -> LocalStats:
+    def local_stats(self, x, weight, coef, local_label, chunk_size, floor=None) -> LocalStats:
         b, parts = self.block, []
         for s, e in blocks(x.shape[0], b):
+            fl = {} if floor is None else {"floor": padded(floor[s:e], b, 0.0)}
             st = self.inner.local_stats(padded(x[s:e], b, 0), weight, padded(coef[s:e], b, 1.0),
-                                        padded(local_label[s:e], b, -1), tiling_chunk(chunk_size, b))
+                                        padded(local_label[s:e], b, -1), tiling_chunk(chunk_size, b), **fl)
             parts.append([t[: e - s] for t in st])
         return LocalStats(*(torch.cat(ts) for ts in zip(*parts)))
 
-    def stats(self, x, weight, coef, local_label, valid, chunk_size, group, ordered):
+    def stats(self, x, weight, coef, local_label, valid, chunk_size, group, ordered, floor=None):
         # the generic finish over this backend's blocked local_stats (never the inner's own)
-        return Backend.stats(self, x, weight, coef, local_label, valid, chunk_size, group, ordered)
+        return Backend.stats(self, x, weight, coef, local_label, valid, chunk_size, group, ordered, floor)
+
+    def each_chunk(self, x, weight, coef, chunk_size, fn) -> None:
+        """The inner backend's ``each_chunk`` on each padded block (the padding's rows not
+        passed to ``fn``)."""
+        b = self.block
+        for s, e in blocks(x.shape[0], b):
+            def on_block(s0, s1, z, s=s, e=e):
+                if s0 < e - s:
+                    fn(s + s0, s + min(s1, e - s), z[: min(s1, e - s) - s0])
+
+            self.inner.each_chunk(padded(x[s:e], b, 0), weight, padded(coef[s:e], b, 1.0),
+                                  tiling_chunk(chunk_size, b), on_block)
 
     def gathered_dots(self, x, weight, rows):
         return self.inner.gathered_dots(x, weight, rows)  # per token already: invariant
 
     def grads(self, x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x,
-              need_w, dw_accumulator=None, extra=None):
+              need_w, dw_accumulator=None, extra=None, floor=None):
         b = self.block
         acc = dw_accumulator
         if need_w and acc is None:  # the blocks' products summed in float32, rounded once
@@ -128,7 +141,8 @@ class InvariantBlocks(Backend):
             dxb, _ = self.inner.grads(padded(x[s:e], b, 0), weight, padded(coef[s:e], b, 1.0),
                                       padded(local_label[s:e], b, -1), *pad,
                                       tiling_chunk(chunk_size, b), need_x, need_w,
-                                      acc if need_w else None, ext)
+                                      acc if need_w else None, ext,
+                                      **({} if floor is None else {"floor": padded(floor[s:e], b, 0.0)}))
             if need_x:
                 dx[s:e] = dxb[: e - s]
         if not need_w or dw_accumulator is not None:

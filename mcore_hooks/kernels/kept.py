@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from . import candidates as cand
-from . import candidates_op, ops, stats_op
+from . import candidates_op, nucleus, ops, stats_op
 from . import truncation as trunc
 from .arguments import _id_matrix, _nan_where
 from .autograd import GlobalStats, label_is_row_max
@@ -35,6 +35,9 @@ def _renormalised(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
         # one, from the statistics pass (no [tokens, vocab] kept set)
         logprob, entropy, logz, best = stats_op.stats(hidden, weight, p)
         return LogprobEntropy(logprob, entropy, logz, best, label_outside=torch.zeros_like(p.valid))
+    if truncation is not None and truncation._width(v_total) >= v_total:
+        # a set that may be the whole vocabulary (no top-k): by a floor, never [tokens, vocab]
+        return nucleus.renormalised(hidden, weight, p, truncation, v_total, index)
     if truncation is not None:
         ids, outside, bad = _truncated(hidden, weight, p, truncation, index)
     else:

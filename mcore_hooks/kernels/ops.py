@@ -17,6 +17,8 @@ dispatcher's own work was more than the GPU's at small calls).
   ``main_grad``, where one is given);
 * :mod:`.candidates_op`: given ids' logits (``candidate_logits``, its backward) and the
   truncation's top-k (``top_k_ids``);
+* :mod:`.nucleus`: a truncation's kept set as a floor over the logits (``truncation_floor``),
+  where it may be the whole vocabulary;
 * :mod:`.loss_op`: the fused losses (``fused_token_loss``, ``fused_token_loss_into_`` with a
   declared upstream gradient, ``accumulate_weight_grad_``), per-token terms (``token_terms``);
 * here: ``all_reduce_`` / ``reduce_scatter_tokens``, the hidden-state gradient's reduction,

@@ -20,7 +20,7 @@ def logsoftmax_stats(
     hidden: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
     group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str,
     accumulator: Optional[Tensor], placeholder: bool, extra_ids: Optional[Tensor] = None,
-    compiled: bool = False,
+    compiled: bool = False, floor: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(logprob, entropy, logz, label_is_argmax, max, log_s, gathered hidden, extra logits)``
     per token (``labels``: this rank's local rows, ``KernelParams.local_labels``); max, log_s
@@ -30,14 +30,17 @@ def logsoftmax_stats(
     label's (empty without). ``accumulator`` and ``placeholder`` are for the backward alone
     (where the weight's gradient goes; whether the weight then gets a zero-stride placeholder).
     ``compiled``: traced by ``torch.compile`` (where the accumulator is one of the graph's
-    saved tensors: :func:`~.guards.check_accumulator_kept`)."""
+    saved tensors: :func:`~.guards.check_accumulator_kept`). ``floor`` (``[N, 2]``, the torch
+    backend's): the distribution renormalised over each token's kept set given as a floor
+    (:mod:`.nucleus`), never made as ``[N, V]``."""
     if accumulator is not None and compiled:
         guards.check_accumulator_kept()
     pg = _group(group)
     x = comm.gather_tokens(hidden, pg) if sequence_parallel else hidden
     impl = _backend(backend, hidden.device)
+    fl = {} if floor is None else {"floor": floor}
     logprob, entropy, logz, best, m, log_s = impl.stats(x, weight, coef, labels, valid,
-                                                        chunk_size, pg, invariant(backend))
+                                                        chunk_size, pg, invariant(backend), **fl)
     extra = _nothing(coef)
     if extra_ids is not None:
         extra = cand.candidate_logits(x, weight, coef, extra_ids, vocab_start,
@@ -52,7 +55,7 @@ def logsoftmax_stats(
 
 @logsoftmax_stats.register_fake
 def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
-      accumulator, placeholder, extra_ids=None, compiled=False):
+      accumulator, placeholder, extra_ids=None, compiled=False, floor=None):
     n = labels.shape[0]
     f32 = [hidden.new_empty(n, dtype=_F32) for _ in range(5)]
     x = hidden.new_empty((n, hidden.shape[1])) if sequence_parallel else _nothing(hidden)
@@ -67,11 +70,13 @@ def logsoftmax_stats_backward(
     log_s: Tensor, entropy: Tensor, g_logprob: Tensor, g_entropy: Tensor, need_x: bool,
     need_w: bool, accumulator: Optional[Tensor], extra_ids: Optional[Tensor] = None,
     extra_g: Optional[Tensor] = None, extra_logits: Optional[Tensor] = None,
+    floor: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """``(dX, dW)`` of ``sum g_logprob * logprob + g_entropy * entropy`` (``x`` all tokens; dX
     reduced over the group, this rank's shard under sequence parallelism); empty where not
     asked for, or dW where it went into ``accumulator``. ``extra_g``: the gradient of the
-    ``extra_ids``' logits, ``extra_logits`` (the forward's) with them."""
+    ``extra_ids``' logits, ``extra_logits`` (the forward's) with them; ``floor``: the
+    forward's."""
     local_label = labels  # local rows already (KernelParams.local_labels)
     extra = None
     if extra_ids is not None and extra_g is not None:
@@ -82,7 +87,7 @@ def logsoftmax_stats_backward(
         extra = (torch.where(owned, cols, -1), extra_g, extra_logits)
     dx, dw = _backend(backend, x.device).grads(
         x, weight, coef, local_label, m, log_s, entropy, g_logprob, g_entropy, chunk_size, need_x,
-        need_w, accumulator if need_w else None, extra)
+        need_w, accumulator if need_w else None, extra, **({} if floor is None else {"floor": floor}))
     if dx is not None:
         dx = comm.reduce_hidden_grad(dx, _group(group), sequence_parallel, invariant(backend))
     return (_nothing(x) if dx is None else dx), (_nothing(weight) if dw is None else dw)
@@ -91,7 +96,7 @@ def logsoftmax_stats_backward(
 @logsoftmax_stats_backward.register_fake
 def _(x, weight, labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
       m, log_s, entropy, g_logprob, g_entropy, need_x, need_w, accumulator, extra_ids=None,
-      extra_g=None, extra_logits=None):
+      extra_g=None, extra_logits=None, floor=None):
     rows = x.shape[0] // _fake_group_size(group) if sequence_parallel else x.shape[0]
     dx = x.new_empty((rows, x.shape[1])) if need_x else _nothing(x)
     dw = weight.new_empty(weight.shape) if need_w and accumulator is None else _nothing(weight)
@@ -107,8 +112,10 @@ def _stats_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(logz, m, log_s, gathered)
     ctx.set_materialize_grads(False)
     extra_ids = inputs[12] if len(inputs) > 12 else None
+    floor = inputs[14] if len(inputs) > 14 else None
     ctx.save_for_backward(gathered if sp else hidden, weight, labels, valid, coef, m, log_s, entropy,
-                          extra_ids, extra)
+                          extra_ids, extra, floor)
+    ctx.inputs = len(inputs)
     ctx.args = (vocab_start, group, sp, chunk_size, backend)
     # not saved: it is written between this forward and its backward by design (other
     # micro-batches' backwards), which save_for_backward's version check would refuse
@@ -117,7 +124,7 @@ def _stats_setup(ctx, inputs, output):
 
 
 def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gathered, d_extra):
-    x, weight, labels, valid, coef, m, log_s, entropy, extra_ids, extra = ctx.saved_tensors
+    x, weight, labels, valid, coef, m, log_s, entropy, extra_ids, extra, floor = ctx.saved_tensors
     accumulator = ctx.accumulator
     # where(valid, g, 0): an ignored token's gradient is no input, whatever it holds (no NaN * 0)
     zero = torch.zeros_like(m) if d_logprob is None or d_entropy is None else None
@@ -128,22 +135,25 @@ def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gather
     e_g = d_extra.float() if d_extra is not None and extra_ids is not None else None
     dx, dw = call(logsoftmax_stats_backward, x, weight, labels, valid, coef, *ctx.args, m, log_s,
                   entropy, g1, g2, need_x, need_w, acc, extra_ids, e_g,
-                  extra if e_g is not None else None)
+                  extra if e_g is not None else None, floor)
     dx = dx.view(ctx.hidden_shape) if need_x else None
     if acc is not None:
         dw = guards.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None
     elif not need_w:
         dw = None
-    return (dx, dw) + (None,) * 12
+    return (dx, dw) + (None,) * (ctx.inputs - 2)
 
 
 register_autograd(logsoftmax_stats, _stats_backward, _stats_setup)
 
 
-def stats(hidden: Tensor, weight: Tensor, p: KernelParams) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def stats(hidden: Tensor, weight: Tensor, p: KernelParams,
+          floor: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(logprob, entropy, logz, label_is_argmax)`` through the op, differentiable in ``hidden``
-    and ``weight`` (the weight's gradient into ``p.weight_grad_accumulator`` where one is given)."""
-    out = call(logsoftmax_stats, hidden, weight, p.local_labels, p.valid, p.coef, p.vocab_start,
-               group_name(p.group), p.sequence_parallel, p.chunk_size, p.backend,
-               p.weight_grad_accumulator, p.dummy_weight_grad, None, torch.compiler.is_compiling())
+    and ``weight`` (the weight's gradient into ``p.weight_grad_accumulator`` where one is given);
+    with ``floor``, of each token's kept set (as the op's)."""
+    args = (hidden, weight, p.local_labels, p.valid, p.coef, p.vocab_start, group_name(p.group),
+            p.sequence_parallel, p.chunk_size, p.backend, p.weight_grad_accumulator,
+            p.dummy_weight_grad, None, torch.compiler.is_compiling())
+    out = call(logsoftmax_stats, *args, *(() if floor is None else (floor,)))
     return out[0], out[1], out[2], out[3]

@@ -37,6 +37,16 @@ def _aligned_logits(x, weight, coef, start, end):
     return z
 
 
+def kept_columns(z: torch.Tensor, floor: torch.Tensor, local_label: torch.Tensor) -> torch.Tensor:
+    """Which of a chunk's scaled logits ``z [c, V_local]`` are in each token's kept set given as
+    a floor (:mod:`.nucleus`): ``floor [c, 2]`` holds the set's smallest logit and the last
+    column kept among those equal to it (ties go in ascending id), so the set is ``z > floor``,
+    or ``z == floor`` up to that column; the label's column always (the rollout sampled it)."""
+    tau, cut = floor[:, :1], floor[:, 1:]
+    col = torch.arange(z.shape[1], device=z.device)
+    return (z > tau) | ((z == tau) & (col <= cut)) | (col == local_label.unsqueeze(1))
+
+
 def aligned_rows(t: torch.Tensor, fill: float) -> torch.Tensor:
     """``t [c, V]`` copied into rows padded to a multiple of 16 with ``fill`` (as above)."""
     v = t.shape[1]
@@ -52,13 +62,23 @@ class TorchChunked(Backend):
         # aligned: rows padded for batch invariance (set by InvariantBlocks)
         self.aligned = aligned
 
-    def local_stats(self, x, weight, coef, local_label, chunk_size) -> LocalStats:
-        return self.local_stats_top_k(x, weight, coef, local_label, chunk_size, 0, self.aligned)[0]
+    def local_stats(self, x, weight, coef, local_label, chunk_size, floor=None) -> LocalStats:
+        return self.local_stats_top_k(x, weight, coef, local_label, chunk_size, 0, self.aligned, floor)[0]
 
     @staticmethod
-    def local_stats_top_k(x, weight, coef, local_label, chunk_size, top_k, aligned=False):
+    def each_chunk(x, weight, coef, chunk_size, fn) -> None:
+        """``fn(start, end, z)`` on each chunk's float32 scaled logits, the chunks and products of
+        :meth:`grads` (and of :meth:`local_stats` with a floor): the same bits in every pass."""
+        for start in range(0, x.shape[0], chunk_size):
+            end = min(start + chunk_size, x.shape[0])
+            fn(start, end, _chunk_logits(x, weight, coef, start, end))
+
+    @staticmethod
+    def local_stats_top_k(x, weight, coef, local_label, chunk_size, top_k, aligned=False, floor=None):
         """:meth:`local_stats`, and with ``top_k > 0`` each token's ``min(top_k, V_local)``
-        largest logits and their local rows, taken from the same chunks (None otherwise)."""
+        largest logits and their local rows, taken from the same chunks (None otherwise).
+        ``floor``: over each token's kept set alone (:func:`kept_columns`), the logits made as
+        :meth:`grads` makes them (a column's membership is decided on the same bits)."""
         n = x.shape[0]
         f32 = dict(dtype=torch.float32, device=x.device)
         m, s, a, t = (torch.empty(n, **f32) for _ in range(4))
@@ -68,7 +88,12 @@ class TorchChunked(Backend):
         index = local_label.clamp(min=0).unsqueeze(1)  # gather at a safe index, then mask: no sync
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            z = (_aligned_logits if aligned else _chunk_logits)(x, weight, coef, start, end)
+            if floor is None:
+                z = (_aligned_logits if aligned else _chunk_logits)(x, weight, coef, start, end)
+            else:
+                z = _chunk_logits(x, weight, coef, start, end)
+                z.masked_fill_(~kept_columns(z, floor[start:end], local_label[start:end]), _PAD)
+                z = aligned_rows(z, _PAD) if aligned else z
             t[start:end] = torch.where(owned[start:end], z.gather(1, index[start:end]).squeeze(1), 0.0)
             if top is not None:
                 top[0][start:end], top[1][start:end] = z.topk(kk, dim=1)
@@ -83,7 +108,7 @@ class TorchChunked(Backend):
 
     @staticmethod
     def grads(x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w,
-              dw_accumulator=None, extra=None):
+              dw_accumulator=None, extra=None, floor=None):
         n = x.shape[0]
         dx = torch.empty_like(x) if need_x else None
         if need_w:
@@ -98,11 +123,15 @@ class TorchChunked(Backend):
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             z = _chunk_logits(x, weight, coef, start, end)
+            kept = None if floor is None else kept_columns(z, floor[start:end], local_label[start:end])
             z.sub_(m[start:end].unsqueeze(1)).sub_(log_s[start:end].unsqueeze(1))  # log p
             p = torch.exp(z)
             z.add_(entropy[start:end].unsqueeze(1)).mul_(g2[start:end].unsqueeze(1))
             z.add_(g1[start:end].unsqueeze(1)).mul_(p).neg_()
             del p
+            if kept is not None:  # outside the kept set: no term (a fill, never NaN * 0)
+                z.masked_fill_(~kept, 0.0)
+                del kept
             z.scatter_add_(1, index[start:end], g_target[start:end])
             if extra is not None:
                 z.scatter_add_(1, e_cols[start:end], e_g[start:end])

@@ -61,9 +61,9 @@ class Truncation:
         top_k: tokens kept by top-k; ``<= 0`` or more than the vocabulary means none (as vLLM
             normalises it). Required: it bounds the kept set the kernels gather. Per request, a
             list or a CPU tensor: batch-invariant in eager calls, the tokens grouped by their own set's width
-            (a request's results the same bits beside requests with a wider top-k, or none; a
-            request without top-k widens only its own tokens' sets to the vocabulary), one pass
-            a width; or a device tensor with ``max_top_k``, which sizes every token's set (its
+            (a request's results the same bits beside requests with a wider top-k, or none), one
+            pass a width; a set that may be the whole vocabulary (no top-k) is never gathered,
+            but given by a floor over the logits (:mod:`.nucleus`); or a device tensor with ``max_top_k``, which sizes every token's set (its
             widths are never read from the device). Processors keep a per-sample top-k on the
             host for unpacked batches; a packed batch's is spread on the device.
         top_p: the nucleus mass, in ``(0, 1]`` (1: off).
