@@ -70,7 +70,7 @@ def truncation_floor(
             log_s = torch.log(torch.exp(zr - m.unsqueeze(1)).sum(dim=1))
             ids = all_ids.expand(b - a, vp)
             opts = trunc.TokenTruncation(top_k[rows], top_p[rows], min_p[rows], none[rows])
-            kept, _ = trunc.truncate(zr, ids, opts, engine, m, log_s, v_total, labels[rows])
+            kept, _ = trunc.truncate(zr, ids, opts, engine, m, log_s, v_total, labels[rows], ids_ascending=True)
             # a prefix of the sorted row: its last entry is the floor
             last = kept.gather(1, ((kept >= 0).sum(dim=1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
             floor[rows, 0] = zr.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1)

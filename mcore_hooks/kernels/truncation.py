@@ -247,22 +247,25 @@ def _check_unit(name: str, v, lo_open: bool) -> None:
         raise ValueError(f"{name}: expected a float in {interval}, got {v!r}")
 
 
-def _descending(values: torch.Tensor, ids: torch.Tensor,
-                first: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _descending(values: torch.Tensor, ids: torch.Tensor, first: Optional[torch.Tensor] = None,
+                ids_ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidates by value descending, ties by ascending id (one order, whatever order the
-    search returned them in); ``first`` (``[N]`` ids, or None): that id ahead of its ties."""
-    key = ids.masked_fill(ids < 0, torch.iinfo(torch.long).max)
-    if first is not None:
-        key = key.masked_fill(ids == first.unsqueeze(1), -1)
-    by_id = key.argsort(dim=1, stable=True)
-    values, ids = values.gather(1, by_id), ids.gather(1, by_id)
+    search returned them in); ``first`` (``[N]`` ids, or None): that id ahead of its ties.
+    ``ids_ascending``: the rows are in ascending id order already, padding (-1) last (a
+    whole row): one sort fewer where no id goes first."""
+    if first is not None or not ids_ascending:
+        key = ids.masked_fill(ids < 0, torch.iinfo(torch.long).max)
+        if first is not None:
+            key = key.masked_fill(ids == first.unsqueeze(1), -1)
+        by_id = key.argsort(dim=1, stable=True)
+        values, ids = values.gather(1, by_id), ids.gather(1, by_id)
     order = values.argsort(dim=1, descending=True, stable=True)
     return values.gather(1, order), ids.gather(1, order)
 
 
 def truncate(values: torch.Tensor, ids: torch.Tensor, t: TokenTruncation, engine: str,
              m: torch.Tensor, log_s: torch.Tensor, v_total: int,
-             labels: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             labels: Optional[torch.Tensor] = None, ids_ascending: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(kept ids [N, Kc] with -1 where dropped, overflow [N])`` of each token's ``Kc`` largest
     float32 scaled logits ``values`` (any order) and their global ``ids``, by ``engine``'s rule
     (:class:`Truncation`). ``m`` and ``log_s``: the full vocabulary's statistics (SGLang's rule
@@ -270,8 +273,9 @@ def truncate(values: torch.Tensor, ids: torch.Tensor, t: TokenTruncation, engine
     ``k``-th value that did not fit in ``Kc``. ``labels`` (SGLang's rule, whose top-k keeps
     exactly ``k`` by rank): each token's label goes ahead of the logits tied with it, so a label
     tied with the ``k``-th kept value is kept in place of one of them (the engine sampled it, so
-    it was in its set; the set's mass is the same), not added as a ``k + 1``-th."""
-    vals, ids = _descending(values.float(), ids, labels if engine == "sglang" else None)
+    it was in its set; the set's mass is the same), not added as a ``k + 1``-th.
+    ``ids_ascending``: as :func:`_descending`'s."""
+    vals, ids = _descending(values.float(), ids, labels if engine == "sglang" else None, ids_ascending)
     n, kc = vals.shape
     neg = -math.inf  # a Python scalar: no host-to-device copy
     col = torch.arange(kc, device=vals.device).unsqueeze(0)
