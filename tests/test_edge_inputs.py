@@ -27,7 +27,7 @@ def _kept(labels, v):
 
 
 @pytest.mark.parametrize("invariant", [True, False], ids=["batch-invariant", "opted-out"])
-@pytest.mark.parametrize("kind", ["vocabulary", "truncation", "kept_ids"])
+@pytest.mark.parametrize("kind", ["vocabulary", "truncation", "nucleus", "kept_ids"])
 def test_a_tiny_temperature_gives_finite_results_and_gradients(kind, invariant):
     """At temperature 2e-9 the scaled logits pass 3.4e8: the -1e30 that pads batch-invariant
     rows to 16 columns, set before the scaling, overflowed to -inf there and 0 * -inf made the
@@ -36,6 +36,7 @@ def test_a_tiny_temperature_gives_finite_results_and_gradients(kind, invariant):
     x0, w0, y = _data()
     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
     extra = {"vocabulary": {}, "truncation": {"truncation": Truncation(top_k=5)},
+             "nucleus": {"truncation": Truncation(top_k=-1, top_p=0.9)},  # by a floor
              "kept_ids": {"kept_ids": _kept(y, w0.shape[0])}}[kind]
     r = linear_logprob_entropy(x, w, y, temperature=2e-9, batch_invariant=invariant, **extra)
     (r.logprob.sum() + r.entropy.sum()).backward()
@@ -48,6 +49,10 @@ def _entry(name, x, w, y, t, invariant):
     if name == "linear_logprob_entropy":
         r = linear_logprob_entropy(x, w, y, temperature=t, batch_invariant=invariant)
         return r.logprob.sum() + r.entropy.sum(), r.logprob
+    if name == "nucleus":  # a truncation without top-k: by a floor
+        r = linear_logprob_entropy(x, w, y, temperature=t, batch_invariant=invariant,
+                                   truncation=Truncation(top_k=-1, top_p=0.9))
+        return r.logprob.sum() + r.entropy.sum(), r.logprob
     if name == "linear_cross_entropy":
         loss = linear_cross_entropy(x, w, y, temperature=t, batch_invariant=invariant)
         return loss, loss.reshape(1)
@@ -59,7 +64,7 @@ def _entry(name, x, w, y, t, invariant):
 
 
 @pytest.mark.parametrize("invariant", [True, False], ids=["batch-invariant", "opted-out"])
-@pytest.mark.parametrize("entry", ["linear_logprob_entropy", "linear_cross_entropy", "linear_policy_loss"])
+@pytest.mark.parametrize("entry", ["linear_logprob_entropy", "nucleus", "linear_cross_entropy", "linear_policy_loss"])
 @pytest.mark.parametrize("bad", [0.0, math.nan, -1.0, math.inf])
 def test_an_ignored_tokens_temperature_is_never_read(bad, entry, invariant):
     """A sample whose labels are all ``ignore_index`` (padding) with a per-token temperature of
