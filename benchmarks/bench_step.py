@@ -2,7 +2,7 @@
 the bundled processors, per parallel layout, with every value and gradient compared.
 
     python benchmarks/bench_step.py [--gpus 4|2] [--configs tp4 ...] [--shape 0.5b|7b]
-                                    [--layers N] [--json out.json]
+                                    [--layers N] [--rounds 8] [--json out.json]
 
 One step: ``zero_grad_buffer``, ``get_forward_backward_func()`` over 4 micro-batches of 2 x 512
 tokens (Megatron's DDP finalising the gradients, the distributed optimizer where the layout
@@ -26,7 +26,7 @@ Paths (the loss a sum over the tokens, the same objective for each pair):
   (``gradient_accumulation_fusion`` given to the processor alone: Megatron's own layers would
   need Apex's fused kernel for it).
 
-Reported per layout and path: the step's median ms over 8 steps after 2, the paths' steps
+Reported per layout and path: the step's median ms over 8 steps (``--rounds``) after 2, the paths' steps
 taken in turn (the slowest rank's),
 the peak memory of the forward-backward beyond what was allocated before it (MiB, the largest
 rank's; the optimizer's step, the same for every path, left out); and for each
@@ -292,7 +292,7 @@ def _step(model: list, optimizer, path: Path, batches: list[dict], config, step:
 # --------------------------------------------------------------------------- one layout
 
 
-def _layout(name: str, shape: str, layers: int, paths: list[str]) -> dict:
+def _layout(name: str, shape: str, layers: int, paths: list[str], rounds: int = ROUNDS) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
@@ -348,7 +348,7 @@ def _layout(name: str, shape: str, layers: int, paths: list[str]) -> dict:
         objs = {p_name: Path(p_name, fused_config) for p_name in paths}
         times: dict = {p_name: [] for p_name in paths}
         peaks: dict = {p_name: 0.0 for p_name in paths}
-        for round_ in range(2 + ROUNDS):
+        for round_ in range(2 + rounds):
             for p_name, path in objs.items():
                 dist.barrier()
                 torch.cuda.synchronize()
@@ -386,7 +386,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
         with quiet_megatron():
             for name in args.configs:
                 try:
-                    rows = _layout(name, args.shape, args.layers, args.paths)
+                    rows = _layout(name, args.shape, args.layers, args.paths, args.rounds)
                     if rank == 0:
                         queue.put((name, rows, None))
                 except Exception:  # noqa: BLE001 - a benchmark row, reported, not a library path
@@ -407,6 +407,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=0, help="layers (default: the shape's)")
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="timed steps of each path")
     ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for a layout")
     args = ap.parse_args()
     if args.configs is None:
