@@ -28,7 +28,7 @@ def all_reduce(t: torch.Tensor, op: dist.ReduceOp, group, ordered: bool = False)
         pad = -flat.numel() % world
         mine = _slice_in_rank_order(torch.cat([flat, flat.new_zeros(pad)]) if pad else flat, group)
         whole = torch.empty((world * mine.numel(),), dtype=t.dtype, device=t.device)
-        dist.all_gather(list(whole.chunk(world)), mine, group=group)
+        _all_gather_into(whole, mine, group)
         t.copy_(whole[: flat.numel()].view(t.shape))
     elif world > 1:
         dist.all_reduce(t, op=op, group=group)
@@ -53,8 +53,19 @@ def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
     """Sequence-parallel all-gather along tokens, allocating on ``x``'s device."""
     world = group_rank_size(group)[1]
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather(list(out.chunk(world)), x.contiguous(), group=group)
+    _all_gather_into(out, x.contiguous(), group)
     return out
+
+
+def _all_gather_into(out: torch.Tensor, t: torch.Tensor, group) -> None:
+    """``out`` (contiguous, ``world`` times ``t`` along dim 0) = every rank's ``t`` in rank order:
+    NCCL's single-buffer all-gather (a list of views costs a copy into each, and their launches,
+    on the host's hot path of small calls); gloo's list form elsewhere."""
+    world = group_rank_size(group)[1]
+    if t.device.type == "cuda" and dist.get_backend(group) == "nccl":
+        dist.all_gather_into_tensor(out, t, group=group)
+    else:
+        dist.all_gather(list(out.chunk(world)), t, group=group)
 
 
 def gather_columns(t: torch.Tensor, group) -> torch.Tensor:
