@@ -6,8 +6,8 @@ chunk loops: ``local_stats`` / ``stats`` (forward: per-token max, sum-exp, entro
 target logit of the local logits; combined over the group), ``grads`` (backward: recompute the
 logits, form their gradient, return dX and dW), and ``fused_loss`` (a loss whose gradients are
 formed in the forward, over the row pass ``row_loss``). This module combines shards across the
-tensor-parallel group (a MAX and a SUM all-reduce per batch, or per chunk of the fused loss,
-through :mod:`.comm`, which also gathers sequence-parallel hidden states and reduces their
+tensor-parallel group (one all-gather of the shards' statistics per batch, or per chunk of
+the fused loss, summed in rank order, through :mod:`.comm`, which also gathers sequence-parallel hidden states and reduces their
 gradient), so the backends' kernels stay pure math. Options travel as one frozen
 :class:`~.options.KernelParams`. The passes run as custom ops (:mod:`.ops`); only a loss given
 as a Python function runs through :class:`~.loss_op.LinearFusedLoss`, outside the ops.
@@ -35,9 +35,8 @@ import contextlib
 from typing import NamedTuple, Optional, Protocol
 
 import torch
-import torch.distributed as dist
 
-from .comm import all_reduce
+from .comm import gather_ranks, group_rank_size
 from .guards import adding_into, check_not_recomputed, saved_tensor_hooks_active
 from .matmul import addmm_f32_, mm_f32
 from .options import KernelParams
@@ -168,7 +167,7 @@ class Backend:
     ) -> tuple[torch.Tensor, ...]:
         """The log-prob/entropy pass's results, float32 ``[N]``: ``(logprob, entropy, logZ,
         label_is_argmax, max, log_s)``, the first two 0 where not ``valid``; ``local_stats``
-        combined over ``group`` (``ordered``: `comm.all_reduce`'s). ``floor``: over each token's
+        combined over ``group`` (:func:`combine`). ``floor``: over each token's
         kept set (the torch backend's, :mod:`.nucleus`)."""
         fl = {} if floor is None else {"floor": floor}
         st = combine(self.local_stats(x, weight, coef, local_label, chunk_size, **fl), group, ordered)
@@ -336,12 +335,23 @@ class GlobalStats(NamedTuple):
 
 
 def combine(stats: LocalStats, group, ordered: bool = False) -> GlobalStats:
-    """Shard statistics -> global statistics: one MAX, one SUM all-reduce (``ordered``: as
-    `comm.all_reduce`'s)."""
-    gmax = all_reduce(stats.max.clone(), dist.ReduceOp.MAX, group)
-    summed = torch.stack([*rescaled(stats, gmax), stats.target])
-    all_reduce(summed, dist.ReduceOp.SUM, group, ordered)
-    s, a, target = summed[0], summed[1], summed[2]
+    """Shard statistics -> global statistics. Split over ranks: every rank's four ``[N]``
+    statistics gathered in one collective, and summed here in rank order, the same bits on
+    every rank (``ordered`` holds whatever its value: the sum's order is never a collective's);
+    a MAX and an ordered SUM all-reduce took three collectives and twice the launches, which
+    at RL's small micro-batches cost the host more than the GPU's work."""
+    if group_rank_size(group)[1] == 1:
+        gmax = stats.max
+        s, a = rescaled(stats, gmax)
+        target = stats.target
+    else:
+        every = gather_ranks(torch.stack([stats.max, stats.sumexp, stats.plogp, stats.target]), group)
+        gmax = every[:, 0].amax(dim=0)
+        terms = torch.stack([*rescaled(LocalStats(*every.unbind(1)), gmax), every[:, 3]], dim=1)
+        summed = terms[0].clone()
+        for term in terms[1:]:  # rank order
+            summed.add_(term)
+        s, a, target = summed[0], summed[1], summed[2]
     log_s = torch.log(s)
     return GlobalStats(gmax, log_s, log_s - a / s, target)
 

@@ -65,7 +65,15 @@ def _all_gather_into(out: torch.Tensor, t: torch.Tensor, group) -> None:
     if t.device.type == "cuda" and dist.get_backend(group) == "nccl":
         dist.all_gather_into_tensor(out, t, group=group)
     else:
-        dist.all_gather(list(out.chunk(world)), t, group=group)
+        dist.all_gather([part.view(t.shape) for part in out.chunk(world)], t, group=group)
+
+
+def gather_ranks(t: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``t``, stacked in rank order: ``[world, *t.shape]``."""
+    world = group_rank_size(group)[1]
+    out = torch.empty((world,) + tuple(t.shape), dtype=t.dtype, device=t.device)
+    _all_gather_into(out, t.contiguous(), group)
+    return out
 
 
 def gather_columns(t: torch.Tensor, group) -> torch.Tensor:
