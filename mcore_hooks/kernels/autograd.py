@@ -6,9 +6,9 @@ chunk loops: ``local_stats`` / ``stats`` (forward: per-token max, sum-exp, entro
 target logit of the local logits; combined over the group), ``grads`` (backward: recompute the
 logits, form their gradient, return dX and dW), and ``fused_loss`` (a loss whose gradients are
 formed in the forward, over the row pass ``row_loss``). This module combines shards across the
-tensor-parallel group (one all-gather of the shards' statistics per batch, or per chunk of
-the fused loss, summed in rank order, through :mod:`.comm`, which also gathers sequence-parallel hidden states and reduces their
-gradient), so the backends' kernels stay pure math. Options travel as one frozen
+tensor-parallel group (one all-gather of the shards' statistics per batch, or per chunk of the
+fused loss, summed in rank order, through :mod:`.comm`, which also gathers sequence-parallel
+hidden states and reduces their gradient), so the backends' kernels stay pure math. Options travel as one frozen
 :class:`~.options.KernelParams`. The passes run as custom ops (:mod:`.ops`); only a loss given
 as a Python function runs through :class:`~.loss_op.LinearFusedLoss`, outside the ops.
 
@@ -151,6 +151,12 @@ class Backend:
         self, x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor,
         chunk_size: int,
     ) -> LocalStats:
+        raise NotImplementedError
+
+    def each_chunk(self, x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, chunk_size: int,
+                   fn) -> None:
+        """``fn(start, end, z)`` on each chunk's float32 scaled logits ``z``, made as
+        ``grads`` makes them (the torch backend's: a truncation's floor, :mod:`.nucleus`)."""
         raise NotImplementedError
 
     def logits_rows(self, c: int, n: int, chunk_size: int, v_local: int, itemsize: int,

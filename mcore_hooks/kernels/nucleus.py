@@ -29,9 +29,11 @@ from .ops import _F32, _group, group_name
 from .options import KernelParams, LogprobEntropy
 from .torch_chunked import _ALIGN
 
-# Bytes of one group of sorted rows' work: values, ids, two sorts' indices and the rule's rows.
+# Bytes of one group of sorted rows' work, and per logit of a row: its values (padded, and
+# sorted), ids and the sort's indices (8 bytes each), the rule's float32 rows (the cumulative
+# sum's, the masked values) and its kept ids: about 80 by count.
 _SORT_BYTES = 1 << 28
-_ROW_BYTES = 64  # per logit of a sorted row, all of the above (about 56, rounded up)
+_ROW_BYTES = 96
 
 
 @custom_op("mcore_hooks::truncation_floor", mutates_args=())
