@@ -36,7 +36,7 @@ from typing import NamedTuple, Optional, Protocol
 
 import torch
 
-from .comm import gather_ranks, group_rank_size
+from .comm import gather_tokens, group_rank_size
 from .guards import adding_into, check_not_recomputed, saved_tensor_hooks_active
 from .matmul import addmm_f32_, mm_f32
 from .options import KernelParams
@@ -346,12 +346,11 @@ def combine(stats: LocalStats, group, ordered: bool = False) -> GlobalStats:
     every rank (``ordered`` holds whatever its value: the sum's order is never a collective's);
     a MAX and an ordered SUM all-reduce took three collectives and twice the launches, which
     at RL's small micro-batches cost the host more than the GPU's work."""
-    if group_rank_size(group)[1] == 1:
-        gmax = stats.max
-        s, a = rescaled(stats, gmax)
-        target = stats.target
+    if group_rank_size(group)[1] == 1:  # the shard is the vocabulary
+        gmax, s, a, target = stats
     else:
-        every = gather_ranks(torch.stack([stats.max, stats.sumexp, stats.plogp, stats.target]), group)
+        every = gather_tokens(torch.stack([stats.max, stats.sumexp, stats.plogp, stats.target]).unsqueeze(0),
+                              group)  # [world, 4, N]
         gmax = every[:, 0].amax(dim=0)
         terms = torch.stack([*rescaled(LocalStats(*every.unbind(1)), gmax), every[:, 3]], dim=1)
         summed = terms[0].clone()

@@ -68,14 +68,6 @@ def _all_gather_into(out: torch.Tensor, t: torch.Tensor, group) -> None:
         dist.all_gather([part.view(t.shape) for part in out.chunk(world)], t, group=group)
 
 
-def gather_ranks(t: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's ``t``, stacked in rank order: ``[world, *t.shape]``."""
-    world = group_rank_size(group)[1]
-    out = torch.empty((world,) + tuple(t.shape), dtype=t.dtype, device=t.device)
-    _all_gather_into(out, t.contiguous(), group)
-    return out
-
-
 def gather_columns(t: torch.Tensor, group) -> torch.Tensor:
     """All-gather ``[N, k]`` along the columns: ``[N, world * k]``, rank-major."""
     world = group_rank_size(group)[1]

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import candidates as cand
 from . import comm, ops, stats_op
 from . import truncation as trunc
 from .arguments import _nan_where
@@ -27,7 +28,7 @@ from .debug import check_values
 from .dispatch import call, custom_op
 from .ops import _F32, _group, group_name
 from .options import KernelParams, LogprobEntropy
-from .torch_chunked import _ALIGN
+from .torch_chunked import _ALIGN, aligned_rows
 
 # Bytes of one group of sorted rows' work, and per logit of a row: its values (padded, and
 # sorted), ids and the sort's indices (8 bytes each), the rule's float32 rows (the cumulative
@@ -66,10 +67,12 @@ def truncation_floor(
             zr = z[a - start : b - start]
             if world > 1:
                 zr = comm.gather_columns(zr, pg)  # the whole row: the rules sort it
-            if vp > v_total:
-                zr = torch.cat([zr, zr.new_full((b - a, vp - v_total), -math.inf)], dim=1)
-            m = zr.amax(dim=1)
-            log_s = torch.log(torch.exp(zr - m.unsqueeze(1)).sum(dim=1))
+            zr = aligned_rows(zr, -math.inf)  # padding: never a candidate
+            if engine == "sglang":  # its rule is over the full vocabulary's probabilities
+                m = zr.amax(dim=1)
+                log_s = torch.log(torch.exp(zr - m.unsqueeze(1)).sum(dim=1))
+            else:  # vLLM's takes none: no pass for them
+                m = log_s = none[rows].float()
             ids = all_ids.expand(b - a, vp)
             opts = trunc.TokenTruncation(top_k[rows], top_p[rows], min_p[rows], none[rows])
             kept, _ = trunc.truncate(zr, ids, opts, engine, m, log_s, v_total, labels[rows], ids_ascending=True)
@@ -80,7 +83,7 @@ def truncation_floor(
             if engine == "sglang":  # its label goes ahead of its ties: the last kept, no other tie is
                 cut = torch.where(last == labels[rows], -1, last)
             floor[rows, 1] = torch.where(cut >= 0, cut - vocab_start, -1).float()  # exact below 2**24
-            outside[rows] = valid[rows] & ~(kept == labels[rows].unsqueeze(1)).any(dim=1)
+            outside[rows] = valid[rows] & ~cand.label_columns(kept, labels[rows])[0]
 
     ops._backend(backend, x.device).each_chunk(x, weight, coef, chunk_size, rule)
     return floor, outside
