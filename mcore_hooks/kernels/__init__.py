@@ -210,10 +210,7 @@ def linear_cross_entropy(
     a time, so the forward does 3 matmuls and the backward only scales the result: the forward
     holds float32 dX ``[N, H]`` and dW ``[V_local, H]`` until the backward (each is rounded to the
     input dtype once; for few tokens on the Triton backend, the logit gradient instead, dW formed
-    from it in the backward). On the Triton backend below hidden size 2048 the gradients are
-    formed in the backward from the statistics pass (8NHV: recomputing the logits there costs
-    less than holding them), chosen by the hidden size alone (a token's results never follow
-    the call). Without a gradient it is the log-prob pass, reduced.
+    from it in the backward). Without a gradient it is the log-prob pass, reduced.
 
     Args:
         hidden: ``[N, H]`` (this rank's token shard under sequence parallelism).
@@ -310,8 +307,7 @@ def linear_policy_loss(
     written out in the Triton backend's kernels, operation for operation as autograd takes
     them), and the logit gradient is formed while the chunk's logits exist, as
     :func:`linear_cross_entropy` does and where it does (3 matmuls, 6NHV; the backward only
-    scales the float32 dX and dW by the upstream gradient; below hidden 2048 on Triton, from
-    the statistics pass in the backward). The
+    scales the float32 dX and dW by the upstream gradient). The
     aggregation (token mean, sequence mean of token sums or means) is ``token_weight``: see
     :func:`aggregation_weights`. Objectives that couple tokens (sequence-level ratios such as
     GSPO's) are not per-token: take :func:`linear_logprob_entropy` and the loss in torch.

@@ -238,7 +238,7 @@ class Backend:
         terms' logit gradient into it. Here the generic way: statistics (``row_stats``, combined
         over the group), the terms and their derivatives by autograd, then ``row_grad``; a
         backend may evaluate a loss given as data (``token_loss.kernel_data``) in its own kernel."""
-        coef, valid = p.coef[rows], p.valid[rows]
+        coef, valid = rows_of(p.coef, rows), rows_of(p.valid, rows)
         with_entropy = entropy is not None
         st = combine(self.row_stats(z, coef, local_label, with_entropy), p.group, p.batch_invariant)
         lp = torch.where(valid, st.logprob(), 0.0)
@@ -295,16 +295,18 @@ class Backend:
                 end = min(start + c, n)
                 for s0 in range(start, end, cz):
                     s1 = min(s0 + cz, end)
-                    rows, zc = slice(s0, s1), z[: s1 - s0]
-                    self.logits(x[rows], weight, zc)
-                    self.row_loss(zc, p, rows, local_label[rows], token_loss,
-                                  dz[s0 - start : s1 - start] if need_grad else None, loss[rows],
-                                  logprob[rows], None if entropy is None else entropy[rows])
+                    rows = slice(s0, s1)
+                    zc = rows_of(z, slice(0, s1 - s0))
+                    self.logits(rows_of(x, rows), weight, zc)
+                    self.row_loss(zc, p, rows, rows_of(local_label, rows), token_loss,
+                                  rows_of(dz, slice(s0 - start, s1 - start)) if need_grad else None,
+                                  rows_of(loss, rows), rows_of(logprob, rows),
+                                  None if entropy is None else rows_of(entropy, rows))
                 if not need_grad:
                     continue
-                xc, dzc = x[start:end], dz[: end - start]
+                xc, dzc = rows_of(x, slice(start, end)), rows_of(dz, slice(0, end - start))
                 if need_x:
-                    self.hidden_grad(dzc, weight, dx[start:end])
+                    self.hidden_grad(dzc, weight, rows_of(dx, slice(start, end)))
                 if need_w and into is not None:
                     addmm_f32_(into, dzc.t(), xc, alpha=p.upstream_grad)
                     # after: an error forming the product's operands (memory) added nothing
@@ -317,6 +319,14 @@ class Backend:
                     else:
                         addmm_f32_(dw, dzc.t(), xc)
             return FusedLoss(loss, logprob, entropy, dx, dw)
+
+
+def rows_of(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """``t[rows]``, or ``t`` itself where ``rows`` is all of it: a call of one chunk makes no
+    views (each costs the host a few microseconds, and small calls are bound by the host)."""
+    if rows.start == 0 and rows.stop == t.shape[0]:
+        return t
+    return t[rows]
 
 
 def rescaled(stats: LocalStats, new_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

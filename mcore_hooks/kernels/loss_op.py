@@ -53,8 +53,9 @@ def _token_loss(token_weight: Tensor, policy: Optional[list[float]], inputs: lis
 def forms_gradients_in_forward(backend: str, hidden_size: int) -> bool:
     """Whether a fused loss on this backend forms its gradients in the forward (6NHV, float32
     dX and dW held until the backward) rather than in the backward from the statistics pass
-    (8NHV, the logits recomputed there). Decided by the hidden size alone, never the call's
-    size, so a token's results do not follow the call (batch invariance)."""
+    (8NHV, the logits recomputed there): the forward, at every hidden size by default
+    (``TritonFused.forward_gradients_min_hidden``). Decided by the hidden size alone, never the
+    call's size, so a token's results do not follow the call (batch invariance)."""
     base = backend.partition("+")[0]
     if base == "torch":
         return True

@@ -31,15 +31,15 @@ order), whether one program adds a tile's segments or a program per segment and 
 tokens: more programs), and whatever the chunks: a token's dX row is the same bits in any call.
 No atomics: results are deterministic.
 
-The fused losses (:meth:`~.autograd.Backend.fused_loss`: gradients formed in the forward, from
-hidden size 2048, :attr:`TritonFused.forward_gradients_min_hidden`) take from here the chunk's
+The fused losses (:meth:`~.autograd.Backend.fused_loss`: gradients formed in the forward, at
+every hidden size, :attr:`TritonFused.forward_gradients_min_hidden`) take from here the chunk's
 float32 logits (``_logits_kernel``, the statistics kernel's tile loop), one row kernel that forms
 each token's statistics, loss term and derivatives and its logit gradient
 (:mod:`.triton_losses`), dX (``_hidden_grad_kernel``), and for few tokens dW formed in the
 backward from the kept logit gradient (cuBLAS's, the logit gradient scaled by the upstream
-gradient first, as stock's backward: ``loss_op._weight_grad``). Below that hidden size a fused
-loss takes the statistics pass, the per-token terms kernel and the backward above (the logits
-recomputed cost less than holding them). dW, a sum over tokens, is cuBLAS's either way.
+gradient first, as stock's backward: ``loss_op._weight_grad``). Without a gradient, or a loss
+given as a Python function adding into an accumulator, a fused loss takes the statistics pass,
+the per-token terms kernel and the backward above. dW, a sum over tokens, is cuBLAS's either way.
 
 The fused losses' row and per-token launches, the prologue's, the scaling passes and the rule
 for keeping a logit gradient live in :mod:`.triton_rows` (:class:`~.triton_rows.TritonRows`, a
@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from .autograd import Backend, LocalStats
+from .autograd import Backend, LocalStats, rows_of
 from .triton_tiles import TILES, Tile, Tiles, _num_sms
 from .triton_rows import TritonRows
 from .matmul import addmm_f32_
@@ -208,11 +208,15 @@ class TritonFused(TritonRows, Backend):
     # 100.2 / 2631 at 4096 in another run; benchmarks/RESULTS.md).
     accumulating_chunk_bytes = 3 << 29
 
-    # A fused loss forms its gradients in the forward from this hidden size on (6NHV, float32
-    # dW held for the backward); below it, in the backward from the statistics pass (8NHV, no
-    # float32 [V, H] buffer, nor [N, V] logits and their gradient in memory, which at a small
-    # hidden size cost more than the logits' recomputation: loss_op.forms_gradients_in_forward).
-    forward_gradients_min_hidden = 2048
+    # A fused loss forms its gradients in the forward from this hidden size on (6NHV, a chunk's
+    # logits and their gradient made once); below it, in the backward from the statistics pass
+    # (8NHV, the logits recomputed; loss_op.forms_gradients_in_forward). 0: the forward at every
+    # hidden size. It was 2048 until the forward route took its whole chunk in one launch and
+    # its few-token dW from the kept logit gradient; then the forward led at every hidden size
+    # measured, 896-1536 x 256-32768 tokens x 32000 / 151936, and the backward's 19 launches made
+    # calls of 256-512 tokens 1.1-1.5x stock's (H200: benchmarks/RESULTS.md, bench_sweep.py
+    # --route). Kept a class attribute: --route and the tests take the backward route by it.
+    forward_gradients_min_hidden = 0
 
     def __init__(self, tiles: Tiles = TILES[0]) -> None:
         self.tiles = tiles
@@ -325,7 +329,8 @@ class TritonFused(TritonRows, Backend):
         for i in range(chunks):
             v0 = i * vc
             width = min(vc, v - v0)
-            chunk = dz[:, :width]
+            cols = slice(v0, v0 + width)
+            chunk = dz if width == vc else dz[:, :width]
             _dlogits_kernel[(triton.cdiv(width, bv) * row_blocks,)](
                 xa, wa, coef, local_label, m, log_s, entropy, g1, g2, dz,
                 n, v, h, v0, width, x.stride(0), weight.stride(0), dz.stride(0),
@@ -335,11 +340,11 @@ class TritonFused(TritonRows, Backend):
                 _write_columns_kernel[grid](dz, e_cols, given, n, k, v0, width, dz.stride(0),
                                             BLOCK_N=_GIVEN_ROWS, BLOCK_K=_GIVEN_COLS)
             if dw is not None:
-                torch.mm(chunk.t(), x, out=dw[v0 : v0 + width])  # K = N: rounded once
+                torch.mm(chunk.t(), x, out=rows_of(dw, cols))  # K = N: rounded once
             elif need_w:  # Megatron's main_grad: fp32 accumulation, as its wgrad GEMM does
-                addmm_f32_(dw_accumulator[v0 : v0 + width], chunk.t(), x)
+                addmm_f32_(rows_of(dw_accumulator, cols), chunk.t(), x)
             if need_x:  # float32 between chunks, the input dtype after the last
-                self._hidden_grad(chunk, weight[v0 : v0 + width], seg, dx32 if i > 0 else None,
+                self._hidden_grad(chunk, rows_of(weight, cols), seg, dx32 if i > 0 else None,
                                   dx if i == chunks - 1 else dx32)
         return dx, dw
 

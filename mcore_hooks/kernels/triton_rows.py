@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from .autograd import LocalStats, combine
+from .autograd import LocalStats, combine, rows_of
 from .losses import LossData
 
 try:  # Triton is optional; the torch backend needs none of this.
@@ -63,7 +63,7 @@ class TritonRows:
         if not isinstance(data, LossData):  # a Python function's terms: autograd's derivatives
             return super().row_loss(z, p, rows, local_label, token_loss, dz, loss, logprob, entropy)
         c, v = z.shape
-        coef, valid = p.coef[rows], p.valid[rows]
+        coef, valid = rows_of(p.coef, rows), rows_of(p.valid, rows)
         with_entropy = entropy is not None
         if p.group is None:  # the statistics from the row itself, in the same launch
             st = (coef,) * 4
@@ -71,9 +71,9 @@ class TritonRows:
             st = combine(self.row_stats(z, coef, local_label, with_entropy), p.group, p.batch_invariant)
         pol = data.policy
         kl = 0 if pol is None or pol.kl_coef == 0 else 1 if pol.kl_type == "k1" else 2
-        ins = [t[rows] for t in data.inputs] + [coef] * (3 - len(data.inputs))
+        ins = [rows_of(t, rows) for t in data.inputs] + [coef] * (3 - len(data.inputs))
         _row_loss_kernel[(c,)](
-            z, z if dz is None else dz, coef, local_label, valid, *st, data.token_weight[rows], *ins,
+            z, z if dz is None else dz, coef, local_label, valid, *st, rows_of(data.token_weight, rows), *ins,
             loss, logprob, logprob if entropy is None else entropy, v, z.stride(0),
             0 if dz is None else dz.stride(0), *_policy_constants(pol),
             BLOCK=_ROW_BLOCK, LOCAL=p.group is None, POLICY=pol is not None,
