@@ -75,6 +75,12 @@ def host(shape, paths, calls: int = 60) -> None:
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(18)
         print(f"=== {name} at {shape}: host {ms:.3f} ms a call (back-to-back, {calls} calls)")
         print("\n".join(s.getvalue().splitlines()[6:]))
+        # the host's time by torch operation and autograd node (the Python between them is
+        # the eager autograd Functions' self time)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+            for _ in range(50):
+                run()
+        print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
 if torch.cuda.is_available():
