@@ -444,6 +444,35 @@ def test_triton_is_deterministic():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_upstream_gradients_are_read_as_autograd_gives_them(backend):
+    """The backward reads the outputs' gradients as they come: broadcast (a sum's, stride 0),
+    None for an unused entropy, NaN at ignored tokens (never read there). Each form gives the
+    bits of the dense gradient with 1 at every counted token and the entropy's 0."""
+    n, h, v = (300, 256, 5003) if ON_GPU else (40, 32, 130)
+    g = torch.Generator().manual_seed(3)
+    x0 = torch.randn(n, h, generator=g).to(DEVICE, DTYPES[0])
+    w0 = torch.randn(v, h, generator=g).to(DEVICE, DTYPES[0])
+    labels = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    labels[::7] = -100
+    ones = torch.ones(n, device=DEVICE)
+    with_nan = torch.where(labels == -100, torch.nan, ones)
+
+    def grads(loss_of):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        r = linear_logprob_entropy(x, w, labels, backend=backend)
+        loss_of(r).backward()
+        return x.grad, w.grad
+
+    want = grads(lambda r: (r.logprob * ones + r.entropy * torch.zeros(n, device=DEVICE)).sum())
+    for form in (lambda r: r.logprob.sum(),  # broadcast, no entropy gradient
+                 lambda r: (r.logprob * ones).sum(),  # dense, no entropy gradient
+                 lambda r: (r.logprob * with_nan).sum(),  # NaN at the ignored tokens
+                 lambda r: (r.logprob * ones + r.entropy * (with_nan - ones)).sum()):  # both, NaN there
+        for got, ref in zip(grads(form), want):
+            assert torch.equal(got, ref)
+
+
 def test_a_tokens_statistics_do_not_depend_on_the_call(monkeypatch):
     """No mode asked for: a token's log-prob and entropy are the same bits alone, first in a call
     or after others, across the statistics kernel's launches (one per ``_FWD_GROUP`` tokens),
@@ -693,9 +722,9 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
     fwd = dict(ptr, M="*fp32", S="*fp32", A="*fp32", N="i32", V="i32", H="i32", stride_x="i32",
                stride_w="i32", stride_p="i32", seg_tiles="i32", segments="i32", segs_per_split="i32", splits="i32",
                group="i32")
-    bwd = dict(ptr, LABEL="*i64", M="*fp32", LOGS="*fp32", ENT="*fp32", G1="*fp32", G2="*fp32",
-               DZ="*bf16", N="i32", V="i32", H="i32", v0="i32", Vc="i32", stride_x="i32",
-               stride_w="i32", stride_dz="i32")
+    bwd = dict(ptr, LABEL="*i64", VALID="*i1", M="*fp32", LOGS="*fp32", ENT="*fp32", G1="*fp32",
+               G2="*fp32", DZ="*bf16", N="i32", V="i32", H="i32", v0="i32", Vc="i32", stride_x="i32",
+               stride_w="i32", stride_dz="i32", stride_g1="i32", stride_g2="i32")
     logits = dict(X="*bf16", W="*bf16", Z="*fp32", N="i32", V="i32", H="i32", stride_x="i32",
                   stride_w="i32", stride_z="i32")
     dx = dict(DZ="*bf16", W="*bf16", ACC="*fp32", OUT="*bf16", PARTS="*fp32", N="i32", H="i32",
@@ -703,7 +732,8 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
     flags = dict(EVEN_K=True, USE_TMA=False)
     return [
         _compiled_shared_memory(triton_kernels._stats_fwd_kernel, fwd, flags, capability, tiles.fwd),
-        _compiled_shared_memory(triton_kernels._dlogits_kernel, bwd, dict(flags, GROUP=triton_fused._DZ_GROUP),
+        _compiled_shared_memory(triton_kernels._dlogits_kernel, bwd,
+                                dict(flags, GROUP=triton_fused._DZ_GROUP, HAS_G1=True, HAS_G2=True),
                                 capability, tiles.bwd),
         _compiled_shared_memory(triton_losses._logits_kernel, logits, flags, capability, tiles.fwd),
         _compiled_shared_memory(triton_kernels._hidden_grad_kernel, dx,

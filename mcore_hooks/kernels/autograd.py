@@ -190,12 +190,16 @@ class Backend:
 
     def grads(
         self, x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, local_label: torch.Tensor,
-        m: torch.Tensor, log_s: torch.Tensor, entropy: torch.Tensor, g_logprob: torch.Tensor,
-        g_entropy: torch.Tensor, chunk_size: int, need_x: bool, need_w: bool,
+        m: torch.Tensor, log_s: torch.Tensor, entropy: torch.Tensor,
+        g_logprob: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor], valid: torch.Tensor,
+        chunk_size: int, need_x: bool, need_w: bool,
         dw_accumulator: Optional[torch.Tensor] = None,
         extra: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """dX, and dW (or None with ``dw_accumulator``, a float32 tensor dW is added into).
+        ``g_logprob`` / ``g_entropy``: the upstream gradients of log-prob and entropy, float32
+        ``[N]`` of any stride (None: that output was not used), read only where ``valid``: an
+        ignored token's may hold anything, NaN included (:func:`upstream_grads`).
         ``extra``: ``(columns [N, K], g [N, K], logits [N, K])``, more terms of the logit
         gradient, ``g`` added at each column of this shard (-1: none), as the label's
         ``g_logprob`` is: the gradient of given ids' logits (``selected_ids``), folded into the
@@ -319,6 +323,14 @@ class Backend:
                     else:
                         addmm_f32_(dw, dzc.t(), xc)
             return FusedLoss(loss, logprob, entropy, dx, dw)
+
+
+def upstream_grads(valid: torch.Tensor, g_logprob: Optional[torch.Tensor],
+                   g_entropy: Optional[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`Backend.grads`' upstream gradients as dense float32 ``[N]``: 0 where the token is
+    ignored (a select, not a product: NaN there is no input) or where there is none."""
+    zero = torch.zeros_like(like) if g_logprob is None or g_entropy is None else None
+    return tuple(zero if g is None else torch.where(valid, g.float(), 0.0) for g in (g_logprob, g_entropy))
 
 
 def rows_of(t: torch.Tensor, rows: slice) -> torch.Tensor:

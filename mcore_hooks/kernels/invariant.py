@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from .autograd import Backend, FusedLoss, LocalStats
+from .autograd import Backend, FusedLoss, LocalStats, upstream_grads
 from .guards import adding_into
 
 # Tokens per block on a GPU: one block's GEMMs run near peak (an H100/H200).
@@ -127,9 +127,10 @@ class InvariantBlocks(Backend):
     def gathered_dots(self, x, weight, rows):
         return self.inner.gathered_dots(x, weight, rows)  # per token already: invariant
 
-    def grads(self, x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x,
+    def grads(self, x, weight, coef, local_label, m, log_s, entropy, g1, g2, valid, chunk_size, need_x,
               need_w, dw_accumulator=None, extra=None, floor=None):
         b = self.block
+        g1, g2 = upstream_grads(valid, g1, g2, m)  # dense, so that blocks of them pad
         acc = dw_accumulator
         if need_w and acc is None:  # the blocks' products summed in float32, rounded once
             acc = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
@@ -139,7 +140,7 @@ class InvariantBlocks(Backend):
             ext = None if extra is None else tuple(
                 padded(t[s:e], b, fill) for t, fill in zip(extra, (-1, 0.0, 0.0)))
             dxb, _ = self.inner.grads(padded(x[s:e], b, 0), weight, padded(coef[s:e], b, 1.0),
-                                      padded(local_label[s:e], b, -1), *pad,
+                                      padded(local_label[s:e], b, -1), *pad, padded(valid[s:e], b, False),
                                       tiling_chunk(chunk_size, b), need_x, need_w,
                                       acc if need_w else None, ext,
                                       **({} if floor is None else {"floor": padded(floor[s:e], b, 0.0)}))

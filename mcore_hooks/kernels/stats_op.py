@@ -67,14 +67,16 @@ def _(hidden, weight, labels, valid, coef, vocab_start, group, sequence_parallel
 def logsoftmax_stats_backward(
     x: Tensor, weight: Tensor, labels: Tensor, valid: Tensor, coef: Tensor, vocab_start: int,
     group: Optional[str], sequence_parallel: bool, chunk_size: int, backend: str, m: Tensor,
-    log_s: Tensor, entropy: Tensor, g_logprob: Tensor, g_entropy: Tensor, need_x: bool,
+    log_s: Tensor, entropy: Tensor, g_logprob: Optional[Tensor], g_entropy: Optional[Tensor], need_x: bool,
     need_w: bool, accumulator: Optional[Tensor], extra_ids: Optional[Tensor] = None,
     extra_g: Optional[Tensor] = None, extra_logits: Optional[Tensor] = None,
     floor: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """``(dX, dW)`` of ``sum g_logprob * logprob + g_entropy * entropy`` (``x`` all tokens; dX
     reduced over the group, this rank's shard under sequence parallelism); empty where not
-    asked for, or dW where it went into ``accumulator``. ``extra_g``: the gradient of the
+    asked for, or dW where it went into ``accumulator``. ``g_logprob`` / ``g_entropy``: the
+    outputs' upstream gradients as autograd gives them (None where unused; read only where
+    ``valid``: :meth:`~.autograd.Backend.grads`). ``extra_g``: the gradient of the
     ``extra_ids``' logits, ``extra_logits`` (the forward's) with them; ``floor``: the
     forward's."""
     local_label = labels  # local rows already (KernelParams.local_labels)
@@ -86,8 +88,9 @@ def logsoftmax_stats_backward(
         owned, cols = cand.owned_rows(extra_ids, vocab_start, weight.shape[0])
         extra = (torch.where(owned, cols, -1), extra_g, extra_logits)
     dx, dw = _backend(backend, x.device).grads(
-        x, weight, coef, local_label, m, log_s, entropy, g_logprob, g_entropy, chunk_size, need_x,
-        need_w, accumulator if need_w else None, extra, **({} if floor is None else {"floor": floor}))
+        x, weight, coef, local_label, m, log_s, entropy, g_logprob, g_entropy, valid, chunk_size,
+        need_x, need_w, accumulator if need_w else None, extra,
+        **({} if floor is None else {"floor": floor}))
     if dx is not None:
         dx = comm.reduce_hidden_grad(dx, _group(group), sequence_parallel, invariant(backend))
     return (_nothing(x) if dx is None else dx), (_nothing(weight) if dw is None else dw)
@@ -126,10 +129,9 @@ def _stats_setup(ctx, inputs, output):
 def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gathered, d_extra):
     x, weight, labels, valid, coef, m, log_s, entropy, extra_ids, extra, floor = ctx.saved_tensors
     accumulator = ctx.accumulator
-    # where(valid, g, 0): an ignored token's gradient is no input, whatever it holds (no NaN * 0)
-    zero = torch.zeros_like(m) if d_logprob is None or d_entropy is None else None
-    g1 = torch.where(valid, d_logprob.float(), 0.0) if d_logprob is not None else zero
-    g2 = torch.where(valid, d_entropy.float(), 0.0) if d_entropy is not None else zero
+    # as they come: the backends read an ignored token's gradient nowhere (no NaN * 0), and an
+    # unused output's (None) as 0, without a launch for either (float32 already: the outputs')
+    g1, g2 = d_logprob, d_entropy
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     acc = accumulator if need_w else None
     e_g = d_extra.float() if d_extra is not None and extra_ids is not None else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .autograd import Backend, LocalStats
+from .autograd import Backend, LocalStats, upstream_grads
 from .matmul import addmm_f32_, mm_f32
 
 
@@ -107,9 +107,10 @@ class TorchChunked(Backend):
         return LocalStats(m, s, a, t), top
 
     @staticmethod
-    def grads(x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w,
-              dw_accumulator=None, extra=None, floor=None):
+    def grads(x, weight, coef, local_label, m, log_s, entropy, g1, g2, valid, chunk_size, need_x,
+              need_w, dw_accumulator=None, extra=None, floor=None):
         n = x.shape[0]
+        g1, g2 = upstream_grads(valid, g1, g2, m)
         dx = torch.empty_like(x) if need_x else None
         if need_w:
             dw = dw_accumulator if dw_accumulator is not None else torch.zeros(

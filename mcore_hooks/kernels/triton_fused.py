@@ -12,13 +12,13 @@ Forward (``stats``, ``local_stats``): one launch of the statistics kernel, its p
 of 2048 tokens x vocab splits. Each program computes a ``[BLOCK_N, BLOCK_V]`` logits tile with
 ``tl.dot`` over the hidden size (fp32 accumulators), scales it by ``coef`` and folds it into
 running per-row max / sum-exp / entropy term held in registers; logits never reach memory. The
-label's logit is one fp32 dot per token in a separate small kernel, which keeps the tiles'
-epilogue short. The vocabulary is cut into fixed segments (:func:`vocab_segments`, from its size
-alone); a program walks whole segments and stores each one's statistics (``[segments, N]``, 384
-bytes a token), which a small kernel adds in segment order (on one rank it also finishes them:
-log-prob, entropy, log Z). So a token's statistics are the same bits whatever the number of
-tokens, which only sets how many segments a program walks. Any vocabulary size: tiles past the
-end are masked, no divisibility is assumed.
+vocabulary is cut into fixed segments (:func:`vocab_segments`, from its size alone); a program
+walks whole segments and stores each one's statistics (``[segments, N]``, 384 bytes a token),
+which a small kernel adds in segment order (on one rank it also finishes them: log-prob,
+entropy, log Z). That merge also forms the label's logit, one fp32 dot per token (kept out of
+the tiles' epilogue, and given no launch of its own). So a token's statistics are the same bits
+whatever the number of tokens, which only sets how many segments a program walks. Any
+vocabulary size: tiles past the end are masked, no divisibility is assumed.
 
 Backward (``grads``): the vocabulary is walked in chunks of whole dX segments
 (:func:`dx_segment`), as many as a 1 GiB buffer of the logit gradient holds (one chunk up to
@@ -96,8 +96,11 @@ _SEGMENTS = 32
 # Tokens per group of the statistics kernel's programs (16 row blocks of 128: with the splits
 # that fill an H100/H200 once, one wave; the groups follow one another in one launch).
 _FWD_GROUP = 2048
-# Tokens per program of the segments' merge.
-_MERGE_BLOCK = 512
+# Tokens per program of the segments' merge, and hidden columns per step of its label dot
+# products (a [32, 128] float32 tile of products a step; the label's logit has no launch of its
+# own: one launch a call less, some 30 us of host at RL's small calls).
+_MERGE_BLOCK = 32
+_LABEL_BLOCK_H = 128
 # The given ids' gradient kernels: [rows, ids] per program (small: they touch N x K entries).
 _GIVEN_ROWS, _GIVEN_COLS = 32, 32
 # Row blocks of the hidden gradient's programs that walk the vocabulary together.
@@ -126,7 +129,7 @@ if triton is not None:  # the kernels live apart: launches here, arithmetic ther
     from .triton_kernels import (
         _dlogits_kernel, _gathered_dots_kernel, _given_dlogits_kernel, _hidden_grad_kernel,
         _merge_final_kernel, _merge_partials_kernel, _merge_segments_kernel,
-        _stats_fwd_kernel, _target_logit_kernel, _write_columns_kernel,
+        _stats_fwd_kernel, _write_columns_kernel,
     )
     from .triton_losses import _logits_kernel
 
@@ -163,6 +166,12 @@ def forward_splits(row_blocks: int, vtiles: int, sms: int, min_splits: int = _MI
     candidates = range(min(min_splits, vtiles), min(top, vtiles) + 1)
     least = min(cost(s) for s in candidates)
     return next(s for s in candidates if cost(s) <= least * 1.02)
+
+
+def _operands_contiguous(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels index rows by one stride and columns by 1: contiguous tensors (free where
+    they are already)."""
+    return tuple(t.contiguous() for t in ts)
 
 
 def _descriptors(a: torch.Tensor, a_box: list[int], b: torch.Tensor, b_box: list[int],
@@ -231,28 +240,28 @@ class TritonFused(TritonRows, Backend):
         return super().logits_rows(c, n, chunk_size, v_local, itemsize, into)
 
     def local_stats(self, x, weight, coef, local_label, chunk_size) -> LocalStats:
-        parts, t = self._segment_stats(x, weight, coef, local_label)
+        x, weight, coef, local_label = _operands_contiguous(x, weight, coef, local_label)
+        parts = self._segment_stats(x, weight, coef)
         n = x.shape[0]
         stats = torch.empty((3, n), dtype=torch.float32, device=x.device)
-        if n:
+        t = torch.empty(n, dtype=torch.float32, device=x.device)
+        if n:  # the label's logit formed in the merge
             _merge_segments_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
-                parts[0], parts[1], parts[2], stats[0], stats[1], stats[2], n, parts.shape[1],
-                BLOCK=_MERGE_BLOCK, num_warps=4)
+                parts[0], parts[1], parts[2], x, weight, coef, local_label, stats[0], stats[1],
+                stats[2], t, n, parts.shape[1], x.shape[1], x.stride(0), weight.stride(0),
+                BLOCK=_MERGE_BLOCK, BLOCK_H=_LABEL_BLOCK_H, num_warps=4)
         return LocalStats(stats[0], stats[1], stats[2], t)
 
-    def _segment_stats(self, x, weight, coef, local_label) -> tuple[torch.Tensor, torch.Tensor]:
-        """``([3, segments, N]`` float32 statistics of each vocabulary segment, ``[N]`` label
-        logits): the statistics kernel (one launch) and the label's dot products."""
+    def _segment_stats(self, x, weight, coef) -> torch.Tensor:
+        """``[3, segments, N]`` float32 statistics of each vocabulary segment: the statistics
+        kernel, one launch (contiguous operands)."""
         n, h = x.shape
         v = weight.shape[0]
         tile = self.tiles.fwd
         seg_tiles, segments = vocab_segments(triton.cdiv(v, tile.block_v))
-        x, weight = x.contiguous(), weight.contiguous()
-        coef, local_label = coef.contiguous(), local_label.contiguous()
         parts = torch.empty((3, segments, n), dtype=torch.float32, device=x.device)
-        t = torch.empty(n, dtype=torch.float32, device=x.device)
         if n == 0:
-            return parts, t
+            return parts
         sms = _num_sms(x.device.index or 0)
         # One launch, its programs in groups of _FWD_GROUP tokens: a group's programs fill the
         # GPU about once and walk the weight together, and groups follow one another. (A launch
@@ -269,21 +278,22 @@ class TritonFused(TritonRows, Backend):
             seg_tiles, segments, segs_per_split, splits, group,
             EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch(),
         )
-        _target_logit_kernel[(n,)](x, weight, coef, local_label, t, h, x.stride(0),
-                                   weight.stride(0), BLOCK_H=1024, num_warps=4)
-        return parts, t
+        return parts
 
     def stats(self, x, weight, coef, local_label, valid, chunk_size, group, ordered):
         if group is not None:  # the shards' statistics combined over the group: in torch
             return super().stats(x, weight, coef, local_label, valid, chunk_size, group, ordered)
-        parts, t = self._segment_stats(x, weight, coef, local_label)
+        x, weight, coef, local_label = _operands_contiguous(x, weight, coef, local_label)
+        parts = self._segment_stats(x, weight, coef)
         n = x.shape[0]
+        # apart, not rows of one buffer: they are the op's outputs, which may not alias
         out = [torch.empty(n, dtype=torch.float32, device=x.device) for _ in range(5)]
         best = torch.empty(n, dtype=torch.bool, device=x.device)
         if n:  # one rank: the merge finishes them (as Backend.stats would, in one launch)
             _merge_final_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
-                parts[0], parts[1], parts[2], t, valid, out[0], out[1], out[2], best, out[3], out[4],
-                n, parts.shape[1], BLOCK=_MERGE_BLOCK,
+                parts[0], parts[1], parts[2], x, weight, coef, local_label, valid, out[0], out[1],
+                out[2], best, out[3], out[4], n, parts.shape[1], x.shape[1], x.stride(0),
+                weight.stride(0), BLOCK=_MERGE_BLOCK, BLOCK_H=_LABEL_BLOCK_H,
                 PRECISE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4)
         return out[0], out[1], out[2], best, out[3], out[4]
 
@@ -298,8 +308,8 @@ class TritonFused(TritonRows, Backend):
                 BLOCK_K=_DOT_ROWS, BLOCK_H=256, num_warps=4)
         return out
 
-    def grads(self, x, weight, coef, local_label, m, log_s, entropy, g1, g2, chunk_size, need_x, need_w,
-              dw_accumulator=None, extra=None):
+    def grads(self, x, weight, coef, local_label, m, log_s, entropy, g1, g2, valid, chunk_size, need_x,
+              need_w, dw_accumulator=None, extra=None):
         n, h = x.shape
         v = weight.shape[0]
         tile = self.tiles.bwd
@@ -317,6 +327,12 @@ class TritonFused(TritonRows, Backend):
         dw = torch.empty_like(weight) if need_w and dw_accumulator is None else None
         row_blocks = triton.cdiv(n, tile.block_n)
         xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
+        # the upstream gradients as they come (any stride; None: that output was not used),
+        # masked by validity in the kernels (no where, nor zeros, launched first)
+        ups = (g1 if g1 is not None else m, g2 if g2 is not None else m)
+        valid = valid.contiguous()
+        strides = (0 if g1 is None else g1.stride(0), 0 if g2 is None else g2.stride(0))
+        has = dict(HAS_G1=g1 is not None, HAS_G2=g2 is not None)
         given = None
         if extra is not None:
             e_cols = extra[0].contiguous()
@@ -324,17 +340,18 @@ class TritonFused(TritonRows, Backend):
             given = torch.empty(e_cols.shape, dtype=x.dtype, device=x.device)
             grid = (triton.cdiv(n, _GIVEN_ROWS), triton.cdiv(k, _GIVEN_COLS))
             _given_dlogits_kernel[grid](e_cols, extra[1].float().contiguous(), extra[2].contiguous(),
-                                        coef, local_label, m, log_s, entropy, g1, g2, given, n, k,
-                                        BLOCK_N=_GIVEN_ROWS, BLOCK_K=_GIVEN_COLS)
+                                        coef, local_label, valid, m, log_s, entropy, ups[0], ups[1],
+                                        given, n, k, *strides, BLOCK_N=_GIVEN_ROWS,
+                                        BLOCK_K=_GIVEN_COLS, **has)
         for i in range(chunks):
             v0 = i * vc
             width = min(vc, v - v0)
             cols = slice(v0, v0 + width)
             chunk = dz if width == vc else dz[:, :width]
             _dlogits_kernel[(triton.cdiv(width, bv) * row_blocks,)](
-                xa, wa, coef, local_label, m, log_s, entropy, g1, g2, dz,
-                n, v, h, v0, width, x.stride(0), weight.stride(0), dz.stride(0),
-                EVEN_K=h % tile.block_k == 0, USE_TMA=tma, GROUP=_DZ_GROUP, **tile.launch(),
+                xa, wa, coef, local_label, valid, m, log_s, entropy, ups[0], ups[1], dz,
+                n, v, h, v0, width, x.stride(0), weight.stride(0), dz.stride(0), *strides,
+                EVEN_K=h % tile.block_k == 0, USE_TMA=tma, GROUP=_DZ_GROUP, **tile.launch(), **has,
             )
             if given is not None:
                 _write_columns_kernel[grid](dz, e_cols, given, n, k, v0, width, dz.stride(0),

@@ -125,22 +125,45 @@ if triton is not None:
         return m, s, a
 
     @triton.jit
-    def _merge_segments_kernel(M, S, A, OM, OS, OA, N, segments, BLOCK: tl.constexpr):
-        """The statistics of this rank's vocabulary (to be combined over the group)."""
+    def _label_logits(X, W, COEF, LABEL, rows, mask, H, stride_x, stride_w, BLOCK_H: tl.constexpr):
+        """``coef * x[row] . W[label]`` in fp32 for a block of tokens (0 where the label is not
+        this shard's): each token's products added lane by lane over the hidden size, then
+        across the lanes, in one order whatever the block or the call (the merges' own rows)."""
+        label = tl.load(LABEL + rows, mask=mask, other=-1)
+        owned = mask & (label >= 0)
+        x_row = X + rows.to(tl.int64)[:, None] * stride_x
+        w_row = W + tl.where(owned, label, 0).to(tl.int64)[:, None] * stride_w
+        acc = tl.zeros([rows.shape[0], BLOCK_H], dtype=tl.float32)
+        for k in range(0, H, BLOCK_H):
+            offs = k + tl.arange(0, BLOCK_H)
+            m2 = owned[:, None] & (offs < H)[None, :]
+            x = tl.load(x_row + offs[None, :], mask=m2, other=0.0)
+            w = tl.load(w_row + offs[None, :], mask=m2, other=0.0)
+            acc += x.to(tl.float32) * w.to(tl.float32)
+        return tl.sum(acc, axis=1) * tl.load(COEF + rows, mask=mask, other=1.0)
+
+    @triton.jit
+    def _merge_segments_kernel(M, S, A, X, W, COEF, LABEL, OM, OS, OA, OT, N, segments, H, stride_x,
+                               stride_w, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+        """The statistics of this rank's vocabulary (to be combined over the group), and the
+        label's logit where this rank holds it."""
         cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
         m, s, a = _merged(M, S, A, cols, mask, N, segments)
         tl.store(OM + cols, m, mask=mask)
         tl.store(OS + cols, s, mask=mask)
         tl.store(OA + cols, a, mask=mask)
+        tl.store(OT + cols, _label_logits(X, W, COEF, LABEL, cols, mask, H, stride_x, stride_w, BLOCK_H),
+                 mask=mask)
 
     @triton.jit
-    def _merge_final_kernel(M, S, A, T, VALID, LP, ENT, LOGZ, BEST, OM, OLOGS, N, segments,
-                            BLOCK: tl.constexpr, PRECISE: tl.constexpr):
+    def _merge_final_kernel(M, S, A, X, W, COEF, LABEL, VALID, LP, ENT, LOGZ, BEST, OM, OLOGS, N,
+                            segments, H, stride_x, stride_w, BLOCK: tl.constexpr,
+                            BLOCK_H: tl.constexpr, PRECISE: tl.constexpr):
         """The whole vocabulary's statistics (one rank), finished as ``autograd.combine`` and
         the statistics op finish them over a group: log-prob and entropy (0 where ignored),
         log Z, whether the label is the row's maximum (``autograd.label_is_row_max``), and the
-        max and log s the backward takes."""
+        max and log s the backward takes; the label's logit formed here (no launch of its own)."""
         cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
         m, s, a = _merged(M, S, A, cols, mask, N, segments)
@@ -150,7 +173,7 @@ if triton is not None:
         else:
             log_s = tl.log(s)
         ent = log_s - tl.math.div_rn(a, s)
-        t = tl.load(T + cols, mask=mask, other=0.0)
+        t = _label_logits(X, W, COEF, LABEL, cols, mask, H, stride_x, stride_w, BLOCK_H)
         valid = tl.load(VALID + cols, mask=mask, other=0) != 0
         best = t >= m - tl.maximum(tl.abs(m), 1.0) * 9.5367431640625e-07  # 2**-20
         tl.store(LP + cols, tl.where(valid, (t - m) - log_s, 0.0), mask=mask)
@@ -161,28 +184,27 @@ if triton is not None:
         tl.store(OLOGS + cols, log_s, mask=mask)
 
     @triton.jit
-    def _target_logit_kernel(X, W, COEF, LABEL, T, H, stride_x, stride_w, BLOCK_H: tl.constexpr):
-        """``coef * x[row] . W[label]`` in fp32 (0 where the label is not this shard's): one dot
-        per token, kept out of the forward tiles' epilogue."""
-        row = tl.program_id(0)
-        label = tl.load(LABEL + row)
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        if label >= 0:
-            for k in range(0, H, BLOCK_H):
-                offs = k + tl.arange(0, BLOCK_H)
-                hmask = offs < H
-                x = tl.load(X + row.to(tl.int64) * stride_x + offs, mask=hmask, other=0.0)
-                w = tl.load(W + label * stride_w + offs, mask=hmask, other=0.0)
-                acc += x.to(tl.float32) * w.to(tl.float32)
-        tl.store(T + row, tl.sum(acc, axis=0) * tl.load(COEF + row))
+    def _upstream(ptrs, valid, HAS: tl.constexpr):
+        """An upstream gradient at a block of rows, 0 where the token is ignored (never read
+        there: NaN is no input) or where there is none (``HAS`` False)."""
+        if HAS:
+            g = tl.load(ptrs, mask=valid, other=0.0)
+        else:
+            g = tl.zeros(valid.shape, dtype=tl.float32)
+        return g
 
     @triton.jit
-    def _grad_rows(COEF, M, LOGS, ENT, G1, G2, LABEL, rows, rmask):
+    def _grad_rows(COEF, M, LOGS, ENT, G1, G2, LABEL, VALID, rows, rmask, stride_g1, stride_g2,
+                   HAS_G1: tl.constexpr, HAS_G2: tl.constexpr):
         """A block of rows' logit gradient inputs: coef, the forward's max, log s and entropy,
-        the upstream gradients of log-prob and entropy, the label (-1: none)."""
+        the upstream gradients of log-prob and entropy (:func:`_upstream`; any stride, 0 for
+        one value broadcast, as a sum's backward gives it: no copy made first), the label (-1:
+        none)."""
+        valid = rmask & (tl.load(VALID + rows, mask=rmask, other=0) != 0)
         return (tl.load(COEF + rows, mask=rmask, other=1.0), tl.load(M + rows, mask=rmask, other=0.0),
                 tl.load(LOGS + rows, mask=rmask, other=0.0), tl.load(ENT + rows, mask=rmask, other=0.0),
-                tl.load(G1 + rows, mask=rmask, other=0.0), tl.load(G2 + rows, mask=rmask, other=0.0),
+                _upstream(G1 + rows.to(tl.int64) * stride_g1, valid, HAS_G1),
+                _upstream(G2 + rows.to(tl.int64) * stride_g2, valid, HAS_G2),
                 tl.load(LABEL + rows, mask=rmask, other=-1))
 
     @triton.jit
@@ -200,10 +222,10 @@ if triton is not None:
 
     @triton.jit
     def _dlogits_kernel(
-        X, W, COEF, LABEL, M, LOGS, ENT, G1, G2, DZ,
-        N, V, H, v0, Vc, stride_x, stride_w, stride_dz,
+        X, W, COEF, LABEL, VALID, M, LOGS, ENT, G1, G2, DZ,
+        N, V, H, v0, Vc, stride_x, stride_w, stride_dz, stride_g1, stride_g2,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        USE_TMA: tl.constexpr, GROUP: tl.constexpr,
+        USE_TMA: tl.constexpr, GROUP: tl.constexpr, HAS_G1: tl.constexpr, HAS_G2: tl.constexpr,
     ):
         # GROUP row blocks walk the chunk's vocab tiles together (row block fastest): the
         # programs running together share a few X blocks and each W tile, read from memory
@@ -222,7 +244,8 @@ if triton is not None:
         cols_local = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         cols = v0 + cols_local
         cmask = (cols_local < Vc) & (cols < V)
-        coef, m, log_s, ent, g1, g2, label = _grad_rows(COEF, M, LOGS, ENT, G1, G2, LABEL, rows, rmask)
+        coef, m, log_s, ent, g1, g2, label = _grad_rows(COEF, M, LOGS, ENT, G1, G2, LABEL, VALID, rows,
+                                                        rmask, stride_g1, stride_g2, HAS_G1, HAS_G2)
         # Under TMA a tile may run past the chunk into the next one's rows; those columns are
         # computed and then masked (cmask), never stored.
         u = _logits_tile(X, W, rows, cols, rmask, cmask, pid_n * BLOCK_N, v0 + pid_v * BLOCK_V,
@@ -336,8 +359,8 @@ if triton is not None:
     # ids, by the tiles' formula, then written over each vocabulary chunk's tiles.
     @triton.jit
     def _given_dlogits_kernel(
-        COLS, G, L, COEF, LABEL, M, LOGS, ENT, G1, G2, OUT, N, K,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        COLS, G, L, COEF, LABEL, VALID, M, LOGS, ENT, G1, G2, OUT, N, K, stride_g1, stride_g2,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_G1: tl.constexpr, HAS_G2: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -345,7 +368,8 @@ if triton is not None:
         mask = rmask[:, None] & (ks < K)[None, :]
         at = rows.to(tl.int64)[:, None] * K + ks[None, :]
         cols = tl.load(COLS + at, mask=mask, other=-1)
-        coef, m, log_s, ent, g1, g2, label = _grad_rows(COEF, M, LOGS, ENT, G1, G2, LABEL, rows, rmask)
+        coef, m, log_s, ent, g1, g2, label = _grad_rows(COEF, M, LOGS, ENT, G1, G2, LABEL, VALID, rows,
+                                                        rmask, stride_g1, stride_g2, HAS_G1, HAS_G2)
         dl = _dlogits(tl.load(L + at, mask=mask, other=0.0) - m[:, None], cols, label, log_s, ent, g1, g2)
         for j in range(0, K):  # every entry naming the column (ids may repeat), in order
             c = tl.load(COLS + rows.to(tl.int64) * K + j, mask=rmask, other=-1)
