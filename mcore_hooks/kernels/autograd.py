@@ -325,8 +325,8 @@ class Backend:
             return FusedLoss(loss, logprob, entropy, dx, dw)
 
 
-def upstream_grads(valid: torch.Tensor, g_logprob: Optional[torch.Tensor],
-                   g_entropy: Optional[torch.Tensor], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def upstream_grads(valid: torch.Tensor, g_logprob: Optional[torch.Tensor], g_entropy: Optional[torch.Tensor],
+                   like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`Backend.grads`' upstream gradients as dense float32 ``[N]``: 0 where the token is
     ignored (a select, not a product: NaN there is no input) or where there is none."""
     zero = torch.zeros_like(like) if g_logprob is None or g_entropy is None else None

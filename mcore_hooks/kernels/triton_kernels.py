@@ -128,7 +128,7 @@ if triton is not None:
     def _label_logits(X, W, COEF, LABEL, rows, mask, H, stride_x, stride_w, BLOCK_H: tl.constexpr):
         """``coef * x[row] . W[label]`` in fp32 for a block of tokens (0 where the label is not
         this shard's): each token's products added lane by lane over the hidden size, then
-        across the lanes, in one order whatever the block or the call (the merges' own rows)."""
+        across the lanes, in one order whatever its place in the block or the call's size."""
         label = tl.load(LABEL + rows, mask=mask, other=-1)
         owned = mask & (label >= 0)
         x_row = X + rows.to(tl.int64)[:, None] * stride_x
