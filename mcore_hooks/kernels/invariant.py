@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from .autograd import Backend, FusedLoss, LocalStats, upstream_grads
+from .autograd import Backend, FusedLoss, LocalStats
 from .guards import adding_into
 
 # Tokens per block on a GPU: one block's GEMMs run near peak (an H100/H200).
@@ -130,13 +130,13 @@ class InvariantBlocks(Backend):
     def grads(self, x, weight, coef, local_label, m, log_s, entropy, g1, g2, valid, chunk_size, need_x,
               need_w, dw_accumulator=None, extra=None, floor=None):
         b = self.block
-        g1, g2 = upstream_grads(valid, g1, g2, m)  # dense, so that blocks of them pad
         acc = dw_accumulator
         if need_w and acc is None:  # the blocks' products summed in float32, rounded once
             acc = torch.zeros(weight.shape, dtype=torch.float32, device=x.device)
         dx = torch.empty_like(x) if need_x else None
         for s, e in blocks(x.shape[0], b):
-            pad = [padded(t[s:e], b, 0.0) for t in (m, log_s, entropy, g1, g2)]
+            # the upstream gradients as they came (None stays None): the inner backend masks them
+            pad = [None if t is None else padded(t[s:e], b, 0.0) for t in (m, log_s, entropy, g1, g2)]
             ext = None if extra is None else tuple(
                 padded(t[s:e], b, fill) for t, fill in zip(extra, (-1, 0.0, 0.0)))
             dxb, _ = self.inner.grads(padded(x[s:e], b, 0), weight, padded(coef[s:e], b, 1.0),
