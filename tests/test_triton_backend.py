@@ -18,6 +18,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from mcore_hooks.kernels import (  # noqa: E402
     VocabParallel, linear_cross_entropy, linear_logprob_entropy, triton_fused, triton_kernels, triton_losses,
@@ -671,16 +672,96 @@ def test_tensor_descriptor_loads_match_pointer_loads(shape, monkeypatch):
     temperature = (torch.rand(n, generator=g) + 0.3).to(DEVICE)
     g1, g2 = torch.randn(n, generator=g).to(DEVICE), torch.randn(n, generator=g).to(DEVICE)
     results = {}
+    monkeypatch.setattr(triton_fused, "_TMA_MIN_WORK", 0)  # descriptors at any size
     for tma in (False, True):
         monkeypatch.setattr(triton_fused, "_USE_TMA", tma)
+        # the tiles' own setting (sm_90's on GPU and under the interpreter) and aligned inputs
+        assert triton_fused._operands(x, w, triton_tiles.TILES[0].fwd, True)[2] is tma
         results[tma] = _run("triton", x, w, labels, temperature, g1, g2)
     for a, b in zip(results[False], results[True]):
         assert torch.equal(a, b)
 
 
-def test_misaligned_views_fall_back_to_pointer_loads():
+def test_small_products_load_by_pointers():
+    """Descriptors only for products of at least ``_TMA_MIN_WORK`` multiply-adds (below, their
+    host time is more than the GPU time they save); aligned operands either way."""
+    from mcore_hooks.kernels import triton_fused
+
+    if triton_fused.TensorDescriptor is None:
+        pytest.skip("this Triton has no host tensor descriptors")
+    tile = triton_tiles.TILES[0]
+    x = torch.zeros(256, 128, dtype=DTYPES[-1], device=DEVICE)
+    w = torch.zeros(512, 128, dtype=DTYPES[-1], device=DEVICE)
+    dz = torch.zeros(256, 512, dtype=DTYPES[-1], device=DEVICE)
+    work = 256 * 512 * 128  # x @ w.T and dz @ w alike
+    for least, want in ((work + 1, False), (work, True)):
+        triton_fused._TMA_MIN_WORK, old = least, triton_fused._TMA_MIN_WORK
+        try:
+            assert triton_fused._operands(x, w, tile.fwd, True)[2] is want
+            assert triton_fused._product_operands(dz, w, tile.dx, True)[2] is want
+        finally:
+            triton_fused._TMA_MIN_WORK = old
+
+
+@triton.jit
+def _axpy_kernel(x, y, out, a, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(out + i, tl.load(x + i, mask=m) * a + tl.load(y + i, mask=m), mask=m)
+
+
+def test_direct_launches_run_tritons_own_compiled_kernels(monkeypatch):
+    """:class:`~mcore_hooks.kernels.launch.FastLaunch` launches Triton's own compiled kernels: on
+    GPU, a launch goes through Triton's ``run`` only for a specialization Triton has not compiled
+    (a length of 1 or a multiple of 16, a pointer off 16-byte alignment: one compiled kernel each
+    in Triton's cache) and otherwise calls the kernel Triton cached, giving the same results;
+    while a launch hook is installed every launch is Triton's (the hook called). Under the
+    interpreter every launch is Triton's."""
+    from triton import knobs
+
+    from mcore_hooks.kernels.launch import FastLaunch
+
+    runs = []
+    tritons_run = _axpy_kernel.run
+    monkeypatch.setattr(_axpy_kernel, "run", lambda *a, **kw: runs.append(1) or tritons_run(*a, **kw))
+    k = FastLaunch(_axpy_kernel)
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 1004, generator=g).to(DEVICE)
+    # (1000, 4) and the last (1000, 0): the first's kernel (other pointers, aligned too)
+    launches = ((1000, 0), (1000, 0), (1, 0), (992, 0), (999, 1), (1000, 4), (1000, 0))
+    for n, off in launches:
+        x, y = base[0, off:off + n], base[1, off:off + n]
+        out = torch.empty(n, device=DEVICE)
+        k[(triton.cdiv(n, 128),)](x, y, out, 0.5, n, BLOCK=128)
+        assert torch.equal(out, x * 0.5 + y)  # x * 0.5 exact: no rounding for a fused multiply-add
+    assert k._direct is ON_GPU
+    if ON_GPU:  # Triton's run for the first launch and the three new specializations only
+        assert len(runs) == 4
+        assert len(_axpy_kernel.device_caches[torch.cuda.current_device()][0]) == 4
+    else:
+        assert len(runs) == len(launches)
+
+    if getattr(knobs, "HookChain", None) is None:
+        pytest.skip("this Triton's launch hooks are plain callables")
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        out = torch.empty(1000, device=DEVICE)
+        k[(8,)](base[0, :1000], base[1, :1000], out, 0.5, 1000, BLOCK=128)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert torch.equal(out, base[0, :1000] * 0.5 + base[1, :1000])
+    assert len(runs) == (5 if ON_GPU else len(launches) + 1)
+    if ON_GPU:  # (the interpreter calls no launch hooks)
+        assert len(seen) == 1
+
+
+def test_misaligned_views_fall_back_to_pointer_loads(monkeypatch):
     """A weight view starting mid-allocation (not 16-byte aligned) still computes correctly."""
     from mcore_hooks.kernels import triton_fused
+
+    monkeypatch.setattr(triton_fused, "_TMA_MIN_WORK", 0)  # not by size: by alignment
 
     dtype = DTYPES[-1]
     n, h, v = 9, 64, 37

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from .autograd import Backend, LocalStats, rows_of
-from .triton_tiles import TILES, Tile, Tiles, _num_sms
+from .triton_tiles import TILES, Tile, Tiles, _num_sms, cdiv
 from .triton_rows import TritonRows
 from .matmul import addmm_f32_
 
@@ -123,15 +123,31 @@ _DOT_ROWS = 16
 # Tensor descriptors (Hopper's bulk copy engine) instead of pointer loads, where the tiles allow:
 # forward 32.9 ms vs 37.1, logit-gradient kernel 33.3 ms vs 38.8 at 16384 x 4096 x 151936.
 _USE_TMA = True
+# Multiply-adds of a product (N x V x H) below which its operands are loaded by pointers: a pair
+# of descriptors costs the host 30-40 us a launch (their making, 10-19 us, and the launcher's
+# encoding of them: 37-49 us against 13-23 for the kernels without; benchmarks/launches_h200.log)
+# and saves a kernel this small 3-6% of its GPU time. At 256 x 896 x 32000 (H200,
+# benchmarks/descriptors_h200.log) the log-prob call's host time fell 0.22 ms, its GPU time rose
+# 0.185 -> 0.196 ms: such calls are bound by the host. Both give the same bits (tested).
+_TMA_MIN_WORK = 1 << 34
 
 
 if triton is not None:  # the kernels live apart: launches here, arithmetic there
-    from .triton_kernels import (
-        _dlogits_kernel, _gathered_dots_kernel, _given_dlogits_kernel, _hidden_grad_kernel,
-        _merge_final_kernel, _merge_partials_kernel, _merge_segments_kernel,
-        _stats_fwd_kernel, _write_columns_kernel,
-    )
+    from . import triton_kernels as _tk
+    from .launch import FastLaunch
     from .triton_losses import _logits_kernel
+
+    # launched with less of the host's work a launch (launch.py)
+    _dlogits_kernel = FastLaunch(_tk._dlogits_kernel)
+    _gathered_dots_kernel = FastLaunch(_tk._gathered_dots_kernel)
+    _given_dlogits_kernel = FastLaunch(_tk._given_dlogits_kernel)
+    _hidden_grad_kernel = FastLaunch(_tk._hidden_grad_kernel)
+    _merge_final_kernel = FastLaunch(_tk._merge_final_kernel)
+    _merge_partials_kernel = FastLaunch(_tk._merge_partials_kernel)
+    _merge_segments_kernel = FastLaunch(_tk._merge_segments_kernel)
+    _stats_fwd_kernel = FastLaunch(_tk._stats_fwd_kernel)
+    _write_columns_kernel = FastLaunch(_tk._write_columns_kernel)
+    _logits_kernel = FastLaunch(_logits_kernel)
 
 
 def dx_segment(v: int) -> int:
@@ -175,14 +191,16 @@ def _operands_contiguous(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def _descriptors(a: torch.Tensor, a_box: list[int], b: torch.Tensor, b_box: list[int],
-                 tma: bool) -> tuple[Any, Any, bool]:
+                 tma: bool, work: int) -> tuple[Any, Any, bool]:
     """Tensor descriptors of ``a`` and ``b`` (boxes of these shapes) for the copy engine where it
-    can be used, else the tensors themselves."""
+    can be used and the product (``work`` multiply-adds) is worth their host time
+    (:data:`_TMA_MIN_WORK`), else the tensors themselves."""
     # The copy engine needs 16-byte aligned base addresses and row strides (a view's rows may
     # be longer than its columns: a chunk of a wider buffer).
     use = (
         tma
         and _USE_TMA
+        and work >= _TMA_MIN_WORK
         and TensorDescriptor is not None
         and all(t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
                 and t.data_ptr() % 16 == 0 for t in (a, b))
@@ -194,12 +212,14 @@ def _descriptors(a: torch.Tensor, a_box: list[int], b: torch.Tensor, b_box: list
 
 def _operands(x: torch.Tensor, weight: torch.Tensor, tile: Tile, tma: bool) -> tuple[Any, Any, bool]:
     """``x @ W.T``'s operands: both in boxes of ``block_k`` of the hidden size."""
-    return _descriptors(x, [tile.block_n, tile.block_k], weight, [tile.block_v, tile.block_k], tma)
+    return _descriptors(x, [tile.block_n, tile.block_k], weight, [tile.block_v, tile.block_k], tma,
+                        x.shape[0] * weight.shape[0] * x.shape[1])
 
 
 def _product_operands(dz: torch.Tensor, weight: torch.Tensor, tile: Tile, tma: bool) -> tuple[Any, Any, bool]:
     """``dz @ W``'s operands: ``W`` in boxes of ``block_k`` of its rows (the sum's)."""
-    return _descriptors(dz, [tile.block_n, tile.block_k], weight, [tile.block_k, tile.block_v], tma)
+    return _descriptors(dz, [tile.block_n, tile.block_k], weight, [tile.block_k, tile.block_v], tma,
+                        dz.shape[0] * dz.shape[1] * weight.shape[1])
 
 
 class TritonFused(TritonRows, Backend):
@@ -246,7 +266,7 @@ class TritonFused(TritonRows, Backend):
         stats = torch.empty((3, n), dtype=torch.float32, device=x.device)
         t = torch.empty(n, dtype=torch.float32, device=x.device)
         if n:  # the label's logit formed in the merge
-            _merge_segments_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
+            _merge_segments_kernel[(cdiv(n, _MERGE_BLOCK),)](
                 parts[0], parts[1], parts[2], x, weight, coef, local_label, stats[0], stats[1],
                 stats[2], t, n, parts.shape[1], x.shape[1], x.stride(0), weight.stride(0),
                 BLOCK=_MERGE_BLOCK, BLOCK_H=_LABEL_BLOCK_H, num_warps=4)
@@ -258,7 +278,7 @@ class TritonFused(TritonRows, Backend):
         n, h = x.shape
         v = weight.shape[0]
         tile = self.tiles.fwd
-        seg_tiles, segments = vocab_segments(triton.cdiv(v, tile.block_v))
+        seg_tiles, segments = vocab_segments(cdiv(v, tile.block_v))
         parts = torch.empty((3, segments, n), dtype=torch.float32, device=x.device)
         if n == 0:
             return parts
@@ -267,11 +287,11 @@ class TritonFused(TritonRows, Backend):
         # GPU about once and walk the weight together, and groups follow one another. (A launch
         # over all the tokens with no groups took 185-236 ms at 65536 x 4096 x 151936 on an
         # H100, against 132 ms with a launch per group: benchmarks/RESULTS.md.)
-        row_blocks = triton.cdiv(n, tile.block_n)
+        row_blocks = cdiv(n, tile.block_n)
         group = min(row_blocks, _FWD_GROUP // tile.block_n)
         want = forward_splits(group, segments, sms, _MIN_SPLITS)  # the global read here: benchmarks vary it
-        segs_per_split = triton.cdiv(segments, min(segments, want))
-        splits = triton.cdiv(segments, segs_per_split)
+        segs_per_split = cdiv(segments, min(segments, want))
+        splits = cdiv(segments, segs_per_split)
         xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
         _stats_fwd_kernel[(row_blocks * splits,)](
             xa, wa, coef, parts[0], parts[1], parts[2], n, v, h, x.stride(0), weight.stride(0), n,
@@ -290,7 +310,7 @@ class TritonFused(TritonRows, Backend):
         out = [torch.empty(n, dtype=torch.float32, device=x.device) for _ in range(5)]
         best = torch.empty(n, dtype=torch.bool, device=x.device)
         if n:  # one rank: the merge finishes them (as Backend.stats would, in one launch)
-            _merge_final_kernel[(triton.cdiv(n, _MERGE_BLOCK),)](
+            _merge_final_kernel[(cdiv(n, _MERGE_BLOCK),)](
                 parts[0], parts[1], parts[2], x, weight, coef, local_label, valid, out[0], out[1],
                 out[2], best, out[3], out[4], n, parts.shape[1], x.shape[1], x.stride(0),
                 weight.stride(0), BLOCK=_MERGE_BLOCK, BLOCK_H=_LABEL_BLOCK_H,
@@ -303,7 +323,7 @@ class TritonFused(TritonRows, Backend):
         out = torch.empty((n, k), dtype=torch.float32, device=x.device)
         if n and k:
             x, weight = x.contiguous(), weight.contiguous()
-            _gathered_dots_kernel[(n, triton.cdiv(k, _DOT_ROWS))](
+            _gathered_dots_kernel[(n, cdiv(k, _DOT_ROWS))](
                 x, weight, rows.contiguous(), out, k, x.shape[1], x.stride(0), weight.stride(0),
                 BLOCK_K=_DOT_ROWS, BLOCK_H=256, num_warps=4)
         return out
@@ -319,13 +339,13 @@ class TritonFused(TritonRows, Backend):
         # many chunks there are (a chunk of one segment may pass the budget: at V 151936, from
         # 55000 tokens on).
         seg = dx_segment(v)
-        vc = min(triton.cdiv(v, seg), max(1, _BWD_CHUNK_BYTES // (max(n, 1) * x.element_size() * seg))) * seg
-        chunks = triton.cdiv(v, vc)
+        vc = min(cdiv(v, seg), max(1, _BWD_CHUNK_BYTES // (max(n, 1) * x.element_size() * seg))) * seg
+        chunks = cdiv(v, vc)
         dz = torch.empty((n, vc), dtype=x.dtype, device=x.device)
         dx = torch.empty((n, h), dtype=x.dtype, device=x.device) if need_x else None
         dx32 = torch.empty((n, h), dtype=torch.float32, device=x.device) if need_x and chunks > 1 else None
         dw = torch.empty_like(weight) if need_w and dw_accumulator is None else None
-        row_blocks = triton.cdiv(n, tile.block_n)
+        row_blocks = cdiv(n, tile.block_n)
         xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
         # the upstream gradients as they come (any stride; None: that output was not used),
         # masked by validity in the kernels (no where, nor zeros, launched first)
@@ -338,7 +358,7 @@ class TritonFused(TritonRows, Backend):
             e_cols = extra[0].contiguous()
             k = e_cols.shape[1]
             given = torch.empty(e_cols.shape, dtype=x.dtype, device=x.device)
-            grid = (triton.cdiv(n, _GIVEN_ROWS), triton.cdiv(k, _GIVEN_COLS))
+            grid = (cdiv(n, _GIVEN_ROWS), cdiv(k, _GIVEN_COLS))
             _given_dlogits_kernel[grid](e_cols, extra[1].float().contiguous(), extra[2].contiguous(),
                                         coef, local_label, valid, m, log_s, entropy, ups[0], ups[1],
                                         given, n, k, *strides, BLOCK_N=_GIVEN_ROWS,
@@ -348,7 +368,7 @@ class TritonFused(TritonRows, Backend):
             width = min(vc, v - v0)
             cols = slice(v0, v0 + width)
             chunk = dz if width == vc else dz[:, :width]
-            _dlogits_kernel[(triton.cdiv(width, bv) * row_blocks,)](
+            _dlogits_kernel[(cdiv(width, bv) * row_blocks,)](
                 xa, wa, coef, local_label, valid, m, log_s, entropy, ups[0], ups[1], dz,
                 n, v, h, v0, width, x.stride(0), weight.stride(0), dz.stride(0), *strides,
                 EVEN_K=h % tile.block_k == 0, USE_TMA=tma, GROUP=_DZ_GROUP, **tile.launch(), **has,
@@ -373,7 +393,7 @@ class TritonFused(TritonRows, Backend):
         tile = self.tiles.fwd
         x, weight = x.contiguous(), weight.contiguous()
         xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
-        grid = (triton.cdiv(n, tile.block_n) * triton.cdiv(v, tile.block_v),)
+        grid = (cdiv(n, tile.block_n) * cdiv(v, tile.block_v),)
         _logits_kernel[grid](xa, wa, out, n, v, h, x.stride(0), weight.stride(0), out.stride(0),
                              EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch())
         return out
@@ -395,8 +415,8 @@ class TritonFused(TritonRows, Backend):
         if dz.stride(1) != 1:
             dz = dz.contiguous()
         a, b, tma = _product_operands(dz, weight, tile, self.tiles.tma)
-        segments = triton.cdiv(v, seg)
-        tiles = triton.cdiv(n, tile.block_n) * triton.cdiv(h, tile.block_v)
+        segments = cdiv(v, seg)
+        tiles = cdiv(n, tile.block_n) * cdiv(h, tile.block_v)
         split = (segments > 1 and tiles < 2 * _num_sms(dz.device.index or 0)
                  and segments * n * h * 4 <= _DX_SPLIT_BYTES)
         cont = acc is not None
@@ -409,7 +429,7 @@ class TritonFused(TritonRows, Backend):
         parts = torch.empty((segments, n, h), dtype=torch.float32, device=dz.device)
         _hidden_grad_kernel[(tiles * segments,)](a, b, parts, parts, parts, n, h, v, seg, segments,
                                                  dz.stride(0), weight.stride(0), h, SPLIT=True, **common)
-        _merge_partials_kernel[(triton.cdiv(n * h, _MERGE_DX_BLOCK),)](
+        _merge_partials_kernel[(cdiv(n * h, _MERGE_DX_BLOCK),)](
             parts, acc if cont else out, out, n * h, segments, BLOCK=_MERGE_DX_BLOCK, CONTINUE=cont,
             num_warps=4)
         return out

@@ -14,6 +14,7 @@ import torch
 
 from .autograd import LocalStats, combine, rows_of
 from .losses import LossData
+from .triton_tiles import cdiv
 
 try:  # Triton is optional; the torch backend needs none of this.
     import triton
@@ -36,11 +37,18 @@ _TERMS_BLOCK = 1024
 _ROW_BLOCK = 4096
 
 if triton is not None:  # the kernels live apart: launches here, arithmetic there
+    from . import triton_losses as _tl
+    from .launch import FastLaunch
     from .triton_kernels import _prologue_kernel
-    from .triton_losses import (
-        _row_grad_kernel, _row_loss_kernel, _row_stats_kernel, _scale_accumulate_kernel,
-        _scale_cast_kernel, _token_terms_kernel,
-    )
+
+    # launched with less of the host's work a launch (launch.py)
+    _prologue_kernel = FastLaunch(_prologue_kernel)
+    _row_grad_kernel = FastLaunch(_tl._row_grad_kernel)
+    _row_loss_kernel = FastLaunch(_tl._row_loss_kernel)
+    _row_stats_kernel = FastLaunch(_tl._row_stats_kernel)
+    _scale_accumulate_kernel = FastLaunch(_tl._scale_accumulate_kernel)
+    _scale_cast_kernel = FastLaunch(_tl._scale_cast_kernel)
+    _token_terms_kernel = FastLaunch(_tl._token_terms_kernel)
 
 
 def _policy_constants(loss) -> tuple[float, ...]:
@@ -105,7 +113,7 @@ class TritonRows:
         local = torch.empty(n, dtype=torch.long, device=labels.device)
         if n:
             per_token = temperature is not None
-            _prologue_kernel[(triton.cdiv(n, _PROLOGUE_BLOCK),)](
+            _prologue_kernel[(cdiv(n, _PROLOGUE_BLOCK),)](
                 labels, temperature if per_token else out, valid, out, local, n, ignore_index,
                 v_total, vocab_start, v_local, logit_scale, coef, BLOCK=_PROLOGUE_BLOCK,
                 PER_TOKEN=per_token, num_warps=4)
@@ -116,7 +124,7 @@ class TritonRows:
         """``accumulator += t32 * grad`` (float32 both, contiguous), in one pass."""
         n = t32.numel()
         if n:
-            _scale_accumulate_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](
+            _scale_accumulate_kernel[(cdiv(n, _SCALE_BLOCK),)](
                 t32, grad.float().reshape(1), accumulator, n, BLOCK=_SCALE_BLOCK, num_warps=8)
 
     @staticmethod
@@ -126,7 +134,7 @@ class TritonRows:
         out = torch.empty(t32.shape, dtype=dtype, device=t32.device)
         n = t32.numel()
         if n:
-            _scale_cast_kernel[(triton.cdiv(n, _SCALE_BLOCK),)](
+            _scale_cast_kernel[(cdiv(n, _SCALE_BLOCK),)](
                 t32, grad.float().reshape(1), out, n, BLOCK=_SCALE_BLOCK, num_warps=8)
         return out
 
@@ -139,7 +147,7 @@ class TritonRows:
             return tuple(out)
         kl = 0 if loss is None or loss.kl_coef == 0 else 1 if loss.kl_type == "k1" else 2
         ins = list(inputs) + [logprob] * (3 - len(inputs))
-        _token_terms_kernel[(triton.cdiv(n, _TERMS_BLOCK),)](
+        _token_terms_kernel[(cdiv(n, _TERMS_BLOCK),)](
             logprob, entropy, valid, token_weight, *ins, out[0], out[1], out[2], n,
             *_policy_constants(loss), BLOCK=_TERMS_BLOCK, POLICY=loss is not None,
             DUAL=loss is not None and loss.dual_clip is not None, KL=kl,
