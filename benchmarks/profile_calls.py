@@ -4,6 +4,8 @@ back-to-back calls) and the device's kernels at large ones (``torch.profiler``),
     python benchmarks/profile_calls.py --host [--shape 256 896 32000]
     python benchmarks/profile_calls.py --kernels [--shape 16384 4096 151936] [--paths lp stock_lp]
     python benchmarks/profile_calls.py --host-parts [--shape 256 896 32000]
+    python benchmarks/profile_calls.py --launches [--shape 256 896 32000] [--paths lp policy]
+    python benchmarks/profile_calls.py --descriptors [--shape 256 896 32000] [--paths lp policy]
     python benchmarks/profile_calls.py --dw-routes [--shape 1024 4096 151936]
 
 ``--host`` also times the floor under the library: an empty Triton kernel's launch with as many
@@ -221,6 +223,116 @@ def host_parts(shape) -> None:
             setattr(m, k, v)
 
 
+def launches(shape, paths, rounds: int = 8) -> None:
+    """The launches of small calls, with :class:`~mcore_hooks.kernels.launch.FastLaunch`'s direct
+    launches and with Triton's own: each launch inside a call taken apart under Triton's path
+    (its argument binder, the compiled kernel's launcher, the rest of ``JITFunction.run``; from
+    Triton's internals, a probe), then each path's host time a call (back-to-back), the two
+    modes interleaved ``rounds`` times in one process (the host's time moves by a tenth and
+    more between samples), the median and the least of each."""
+    import collections
+    import statistics
+
+    from triton.runtime import driver
+
+    from mcore_hooks.kernels import launch, triton_fused, triton_rows
+
+    direct = launch.FastLaunch._launch
+
+    def tritons(self, grid, args, kwargs):
+        self.kernel[grid](*args, **kwargs)
+
+    runs = dict(_runs(shape, paths))
+    parts = collections.defaultdict(float)
+    count = collections.Counter()
+
+    def timed(f, label):
+        def g(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                parts[label] += time.perf_counter() - t0
+                count[label] += 1
+        return g
+
+    launch.FastLaunch._launch = tritons
+    device = driver.active.get_current_device()
+    wrapped, launchers = [], []
+    try:
+        for run in runs.values():
+            for _ in range(5):
+                run()
+        wrapped = [(m, k, v, v.kernel.device_caches[device]) for m in (triton_fused, triton_rows)
+                   for k, v in list(vars(m).items())
+                   if isinstance(v, launch.FastLaunch) and device in v.kernel.device_caches]
+        for m, k, fl, caches in wrapped:
+            fl.kernel.device_caches[device] = (*caches[:-1], timed(caches[-1], (k, "binder")))
+            for ck in caches[0].values():
+                ck._init_handles()
+                launchers.append((ck, ck._run))
+                ck._run = timed(ck._run, (k, "launcher"))
+            setattr(m, k, type("Timed", (), {"__getitem__": lambda self, grid, fl=fl, k=k: timed(fl.kernel[grid], (k, "all"))})())
+        for name, run in runs.items():
+            parts.clear()
+            count.clear()
+            for _ in range(200):
+                run()
+            torch.cuda.synchronize()
+            print(f"=== {name} at {shape}: Triton's launches taken apart, us a launch (with the timers)")
+            for k in sorted({k for k, _ in parts}):
+                c = count[(k, "all")]
+                a, b, r = (parts[(k, part)] * 1e6 / c for part in ("all", "binder", "launcher"))
+                print(f"  {k:26s} {a:6.1f}: binder {b:5.1f}, compiled kernel's launcher {r:5.1f}, "
+                      f"the rest of JITFunction.run {a - b - r:5.1f}  ({c // 200} a call)")
+    finally:  # the timers out again: the host times below are of the bare launches
+        for m, k, fl, caches in wrapped:
+            setattr(m, k, fl)
+            fl.kernel.device_caches[device] = caches
+        for ck, run in launchers:
+            ck._run = run
+        launch.FastLaunch._launch = direct
+    for name, run in runs.items():
+        times = {"Triton's": [], "direct": []}
+        for _ in range(rounds):
+            for mode, f in (("Triton's", tritons), ("direct", direct)):
+                launch.FastLaunch._launch = f
+                times[mode].append(_host_ms(run, 200))
+        launch.FastLaunch._launch = direct
+        print(f"=== {name} at {shape}, host ms a call: " + "; ".join(
+            f"{mode} launches median {statistics.median(t):.3f}, least {min(t):.3f}" for mode, t in times.items()),
+            flush=True)
+
+
+def descriptors(shapes, paths, rounds: int = 3) -> None:
+    """Small products' operands by pointers (``triton_fused._TMA_MIN_WORK``, this tree's rule)
+    against tensor descriptors at any size: each path's GPU time (its kernels' sum) and host
+    time a call (back-to-back), the two interleaved ``rounds`` times; the medians."""
+    import statistics
+
+    from mcore_hooks.kernels import triton_fused
+
+    rule = triton_fused._TMA_MIN_WORK
+    for shape in shapes:
+        for name, run in _runs(shape, paths):
+            got = {"descriptors": ([], []), "this rule": ([], [])}
+            for _ in range(rounds):
+                for mode, least in (("descriptors", 0), ("this rule", rule)):
+                    triton_fused._TMA_MIN_WORK = least
+                    for _ in range(5):
+                        run()
+                    torch.cuda.synchronize()
+                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                        run()
+                        torch.cuda.synchronize()
+                    got[mode][0].append(bench_sweep._kernels(prof)[0])
+                    got[mode][1].append(_host_ms(run, 200))
+            triton_fused._TMA_MIN_WORK = rule
+            print(f"=== {name} at {shape} (work {shape[0] * shape[1] * shape[2]:.2e}): " + "; ".join(
+                f"{mode}: GPU {statistics.median(g):.3f} ms, host {statistics.median(h):.3f} ms"
+                for mode, (g, h) in got.items()), flush=True)
+
+
 def kernels(shape, paths) -> None:
     for name, run in _runs(shape, paths, bench_sweep._liger()):
         for _ in range(2):
@@ -326,6 +438,10 @@ def main() -> None:
     ap.add_argument("--dw-routes", action="store_true")
     ap.add_argument("--host-parts", action="store_true",
                     help="where a small log-prob call's host time goes (launches taken apart)")
+    ap.add_argument("--launches", action="store_true",
+                    help="direct launches against Triton's own: launch parts, host time a call")
+    ap.add_argument("--descriptors", action="store_true",
+                    help="small products by pointers (this tree's rule) against descriptors")
     ap.add_argument("--dz-group", type=int, default=None,
                     help="row blocks of the logit-gradient kernel's program groups (a trial value)")
     args = ap.parse_args()
@@ -341,6 +457,12 @@ def main() -> None:
         launch_floor()
         launch_parts()
         host_parts(args.shape or (256, 896, 32000))
+    if args.descriptors:
+        descriptors([tuple(args.shape)] if args.shape else
+                    [(256, 896, 32000), (512, 896, 32000), (256, 1536, 32000), (256, 896, 151936)],
+                    args.paths or ["lp", "policy"])
+    if args.launches:
+        launches(args.shape or (256, 896, 32000), args.paths or ["stock_lp", "lp", "ce", "stock_policy", "policy", "policy_main_grad"])
     if args.host:
         launch_floor()
         host(args.shape or (256, 896, 32000),
