@@ -128,7 +128,11 @@ _USE_TMA = True
 # encoding of them: 37-49 us against 13-23 for the kernels without; benchmarks/launches_h200.log)
 # and saves a kernel this small 3-6% of its GPU time. At 256 x 896 x 32000 (H200,
 # benchmarks/descriptors_h200.log) the log-prob call's host time fell 0.22 ms, its GPU time rose
-# 0.185 -> 0.196 ms: such calls are bound by the host. Both give the same bits (tested).
+# 0.185 -> 0.196 ms: such calls are bound by the host. The choice follows the number of tokens,
+# so batch invariance rests on both loads giving the same bits, as the fallback for misaligned
+# operands always did (test_tensor_descriptor_loads_match_pointer_loads; and
+# test_a_tokens_statistics_do_not_depend_on_the_call, whose 7-token and 3000-token calls fall
+# on either side of this on GPU).
 _TMA_MIN_WORK = 1 << 34
 
 
