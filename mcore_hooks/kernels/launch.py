@@ -58,6 +58,13 @@ def _plain_launches() -> bool:
             and getattr(rt, "add_stages_inspection_hook", None) is None)
 
 
+def _with_run_options(kernel: Any, kwargs: dict) -> dict:
+    """``kwargs`` with the options Triton's ``JITFunction.run`` adds before binding (part of its
+    cache key)."""
+    return dict(kwargs, debug=kwargs.get("debug", kernel.debug) or _knobs.runtime.debug,
+                instrumentation_mode=_knobs.compilation.instrumentation_mode)
+
+
 class FastLaunch:
     """A ``@triton.jit`` kernel launched as ``k[grid](*args, **kwargs)``, like the kernel itself.
 
@@ -86,8 +93,7 @@ class FastLaunch:
             return
         device = _driver.active.get_current_device()
         caches = k.device_caches.get(device)
-        kwargs["debug"] = kwargs.get("debug", k.debug) or _knobs.runtime.debug
-        kwargs["instrumentation_mode"] = _knobs.compilation.instrumentation_mode
+        kwargs = _with_run_options(k, kwargs)
         compiled = None
         if caches is not None:
             bound, spec, options = caches[4](*args, **kwargs)
@@ -113,9 +119,7 @@ class FastLaunch:
                 and hasattr(k, "debug") and hasattr(_knobs.runtime, "debug")
                 and hasattr(_knobs.compilation, "instrumentation_mode")):
             return False
-        kw = dict(kwargs, debug=kwargs.get("debug", k.debug) or _knobs.runtime.debug,
-                  instrumentation_mode=_knobs.compilation.instrumentation_mode)
-        bound = caches[4](*args, **kw)
+        bound = caches[4](*args, **_with_run_options(k, kwargs))
         if not (isinstance(bound, tuple) and len(bound) == 3 and isinstance(bound[0], dict)
                 and isinstance(bound[2], dict)):
             return False
