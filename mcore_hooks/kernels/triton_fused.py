@@ -123,17 +123,23 @@ _DOT_ROWS = 16
 # Tensor descriptors (Hopper's bulk copy engine) instead of pointer loads, where the tiles allow:
 # forward 32.9 ms vs 37.1, logit-gradient kernel 33.3 ms vs 38.8 at 16384 x 4096 x 151936.
 _USE_TMA = True
-# Multiply-adds of a product (N x V x H) below which its operands are loaded by pointers: a pair
-# of descriptors costs the host 30-40 us a launch (their making, 10-19 us, and the launcher's
-# encoding of them: 37-49 us against 13-23 for the kernels without; benchmarks/launches_h200.log)
-# and saves a kernel this small 3-6% of its GPU time. At 256 x 896 x 32000 (H200,
-# benchmarks/descriptors_h200.log) the log-prob call's host time fell 0.22 ms, its GPU time rose
-# 0.185 -> 0.196 ms: such calls are bound by the host. The choice follows the number of tokens,
-# so batch invariance rests on both loads giving the same bits, as the fallback for misaligned
-# operands always did (test_tensor_descriptor_loads_match_pointer_loads; and
+# Multiply-adds of a product (N x V x H) below which its operands are loaded by pointers. The
+# descriptors cost the host: a pair costs 30-40 us a launch (their making, 10-19 us, and the
+# launcher's encoding of them: 37-49 us against 13-23 for the kernels without;
+# benchmarks/launches_h200.log). They save such a kernel 3-6% of its GPU time, which counts
+# only where the GPU, not the host, bounds the call. H200, A/B in one process
+# (benchmarks/tma_threshold_h200.log):
+#   - at 2^35 multiply-adds (256 x 4096 and 512 x 2048 x 32000), pointers took less host time in
+#     all 8 (shape, path) pairs: 0.05-0.22 ms a call of 0.94-1.74, and the wall fell 4-22%;
+#   - at 3.9 x 2^34 the host fell in 7 of 8 pairs and the wall was mixed (log-prob and policy
+#     7-16% faster, policy into main_grad 5-7% slower);
+#   - from 4.6 x 2^34 up the descriptors' wall led in most pairs.
+# The choice follows the number of tokens, so batch invariance rests on both loads giving the
+# same bits, as the fallback for misaligned operands always did
+# (test_tensor_descriptor_loads_match_pointer_loads; and
 # test_a_tokens_statistics_do_not_depend_on_the_call, whose 7-token and 3000-token calls fall
-# on either side of this on GPU).
-_TMA_MIN_WORK = 1 << 34
+# on either side of a lowered threshold on GPU).
+_TMA_MIN_WORK = 1 << 36
 
 
 if triton is not None:  # the kernels live apart: launches here, arithmetic there
