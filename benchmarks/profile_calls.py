@@ -6,6 +6,7 @@ back-to-back calls) and the device's kernels at large ones (``torch.profiler``),
     python benchmarks/profile_calls.py --host-parts [--shape 256 896 32000]
     python benchmarks/profile_calls.py --launches [--shape 256 896 32000] [--paths lp policy]
     python benchmarks/profile_calls.py --descriptors [--shape 256 896 32000] [--paths lp policy]
+    python benchmarks/profile_calls.py --tma-threshold [--shape 512 2048 32000] [--paths lp ce]
     python benchmarks/profile_calls.py --dw-routes [--shape 1024 4096 151936]
 
 ``--host`` also times the floor under the library: an empty Triton kernel's launch with as many
@@ -333,6 +334,40 @@ def descriptors(shapes, paths, rounds: int = 3) -> None:
                 for mode, (g, h) in got.items()), flush=True)
 
 
+TMA_SHAPES = [(256, 2048, 32000), (256, 4096, 32000), (256, 8192, 32000), (512, 2048, 32000),
+              (512, 4096, 32000), (512, 8192, 32000), (2048, 2048, 32000), (256, 2048, 151936),
+              (512, 1536, 151936), (1024, 4096, 32000)]
+
+
+def tma_threshold(shapes, paths, thresholds=(34, 37), rounds: int = 3) -> None:
+    """Two values of ``triton_fused._TMA_MIN_WORK`` (as powers of two) interleaved ``rounds``
+    times in one process: each path's wall (``do_bench``'s median, medians over the rounds) and
+    host ms a call (20 calls back to back; the least over the rounds). Products below the
+    larger threshold load by pointers under it; the first shape is below both (an A/A pair)."""
+    import statistics
+
+    import triton.testing
+
+    from mcore_hooks.kernels import triton_fused
+
+    rule = triton_fused._TMA_MIN_WORK
+    print("work / 2^34: " + ", ".join(f"{n}x{h}x{v}={n * h * v / 2**34:.1f}" for n, h, v in shapes), flush=True)
+    try:
+        for shape in shapes:
+            for name, run in _runs(shape, paths):
+                wall = {e: [] for e in thresholds}
+                host = {e: [] for e in thresholds}
+                for _ in range(rounds):
+                    for e in thresholds:
+                        triton_fused._TMA_MIN_WORK = 1 << e
+                        wall[e].append(triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median"))
+                        host[e].append(_host_ms(run, 20))
+                print(f"{shape} {name:16s} wall " + " ".join(f"2^{e} {statistics.median(wall[e]):.3f}" for e in thresholds)
+                      + " | host b2b " + " ".join(f"2^{e} {min(host[e]):.3f}" for e in thresholds), flush=True)
+    finally:
+        triton_fused._TMA_MIN_WORK = rule
+
+
 def kernels(shape, paths) -> None:
     for name, run in _runs(shape, paths, bench_sweep._liger()):
         for _ in range(2):
@@ -440,6 +475,8 @@ def main() -> None:
                     help="where a small log-prob call's host time goes (launches taken apart)")
     ap.add_argument("--launches", action="store_true",
                     help="direct launches against Triton's own: launch parts, host time a call")
+    ap.add_argument("--tma-threshold", action="store_true",
+                    help="two descriptor thresholds (2^34, 2^37) interleaved: wall and host a call")
     ap.add_argument("--descriptors", action="store_true",
                     help="small products by pointers (this tree's rule) against descriptors")
     ap.add_argument("--dz-group", type=int, default=None,
@@ -461,6 +498,9 @@ def main() -> None:
         descriptors([tuple(args.shape)] if args.shape else
                     [(256, 896, 32000), (512, 896, 32000), (256, 1536, 32000), (256, 896, 151936)],
                     args.paths or ["lp", "policy"])
+    if args.tma_threshold:
+        tma_threshold([tuple(args.shape)] if args.shape else TMA_SHAPES,
+                      args.paths or ["lp", "policy", "policy_main_grad", "ce"])
     if args.launches:
         launches(args.shape or (256, 896, 32000), args.paths or ["stock_lp", "lp", "ce", "stock_policy", "policy", "policy_main_grad"])
     if args.host:

@@ -127,13 +127,14 @@ _USE_TMA = True
 # descriptors cost the host: a pair costs 30-40 us a launch (their making, 10-19 us, and the
 # launcher's encoding of them: 37-49 us against 13-23 for the kernels without;
 # benchmarks/launches_h200.log). They save such a kernel 3-6% of its GPU time, which counts
-# only where the GPU, not the host, bounds the call. H200, A/B in one process
-# (benchmarks/tma_threshold_h200.log):
+# only where the GPU, not the host, bounds the call. H200, 2^34 against 2^37 in one process
+# (benchmarks/tma_threshold_h200.log, profile_calls.py --tma-threshold):
 #   - at 2^35 multiply-adds (256 x 4096 and 512 x 2048 x 32000), pointers took less host time in
 #     all 8 (shape, path) pairs: 0.05-0.22 ms a call of 0.94-1.74, and the wall fell 4-22%;
-#   - at 3.9 x 2^34 the host fell in 7 of 8 pairs and the wall was mixed (log-prob and policy
-#     7-16% faster, policy into main_grad 5-7% slower);
-#   - from 4.6 x 2^34 up the descriptors' wall led in most pairs.
+#   - at 3.9 x 2^34 the host fell in 7 of 8 pairs and the wall in 6 (policy into main_grad 5-7%
+#     slower);
+#   - from 4.6 x 2^34 up the descriptors' wall led in 17 of 20 pairs.
+# 2^36 lies between 3.9 and 4.6 x 2^34 (no work between them measured).
 # The choice follows the number of tokens, so batch invariance rests on both loads giving the
 # same bits, as the fallback for misaligned operands always did
 # (test_tensor_descriptor_loads_match_pointer_loads; and
