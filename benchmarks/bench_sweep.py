@@ -454,11 +454,10 @@ BAR = {"lp": 1.1, "ce": 1.0, "policy": 1.0, "policy_main_grad": 1.0, "policy_mai
 
 def summary(rows: list[dict]) -> str:
     """Markdown: per vocabulary, a row per (tokens, hidden): each entry point's wall time over
-    its stock path's (* past the bar), then the fewest-most launches and the most host ms of
-    the entry points,
-    and stock's most host ms (the back-to-back ``host_b2b`` where the run has it, else the
-    single call's ``host``; Megatron's cross-entropy left out of stock's, as it waits on the
-    device at large calls)."""
+    its stock path's (* past the bar), then the entry points' launches (fewest-most) and most
+    host ms, and the stock paths' most host ms (the back-to-back ``host_b2b`` where the run has
+    it, else the single call's ``host``; Megatron's cross-entropy left out of stock's, as it
+    waits on the device at large calls)."""
     by = {(r["tokens"], r["hidden"], r["vocab"], r["path"]): r for r in rows if r["section"] == "entry"}
     paths = ["lp", "ce", "policy", "policy_main_grad", "policy_main_grad_declared", "liger_ce"]
     out = []
@@ -483,7 +482,8 @@ def summary(rows: list[dict]) -> str:
                     shost = max(shost, s_.get("host_b2b", s_["host"]))
                 ratio = r["wall"] / s_["wall"]
                 cells.append(f"{ratio:.2f}{'*' if ratio > BAR.get(p, 99) else ''}")
-            span = "" if not launches else f"{min(launches)}-{max(launches)}" if min(launches) < max(launches) else f"{launches[0]}"
+            lo, hi = (min(launches), max(launches)) if launches else (None, None)
+            span = "" if lo is None else f"{lo}-{hi}" if lo < hi else f"{lo}"
             out.append(f"| {n} | {h} | " + " | ".join(cells) + f" | {span} | {host:.2f} | {shost:.2f} |")
     return "\n".join(out)
 
