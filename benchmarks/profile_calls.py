@@ -305,45 +305,17 @@ def launches(shape, paths, rounds: int = 8) -> None:
             flush=True)
 
 
-def descriptors(shapes, paths, rounds: int = 3) -> None:
-    """Small products' operands by pointers (``triton_fused._TMA_MIN_WORK``, this tree's rule)
-    against tensor descriptors at any size: each path's GPU time (its kernels' sum) and host
-    time a call (back-to-back), the two interleaved ``rounds`` times; the medians."""
-    import statistics
-
-    from mcore_hooks.kernels import triton_fused
-
-    rule = triton_fused._TMA_MIN_WORK
-    for shape in shapes:
-        for name, run in _runs(shape, paths):
-            got = {"descriptors": ([], []), "this rule": ([], [])}
-            for _ in range(rounds):
-                for mode, least in (("descriptors", 0), ("this rule", rule)):
-                    triton_fused._TMA_MIN_WORK = least
-                    for _ in range(5):
-                        run()
-                    torch.cuda.synchronize()
-                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                        run()
-                        torch.cuda.synchronize()
-                    got[mode][0].append(bench_sweep._kernels(prof)[0])
-                    got[mode][1].append(_host_ms(run, 200))
-            triton_fused._TMA_MIN_WORK = rule
-            print(f"=== {name} at {shape} (work {shape[0] * shape[1] * shape[2]:.2e}): " + "; ".join(
-                f"{mode}: GPU {statistics.median(g):.3f} ms, host {statistics.median(h):.3f} ms"
-                for mode, (g, h) in got.items()), flush=True)
-
-
 TMA_SHAPES = [(256, 2048, 32000), (256, 4096, 32000), (256, 8192, 32000), (512, 2048, 32000),
               (512, 4096, 32000), (512, 8192, 32000), (2048, 2048, 32000), (256, 2048, 151936),
               (512, 1536, 151936), (1024, 4096, 32000)]
 
 
-def tma_threshold(shapes, paths, thresholds=(34, 37), rounds: int = 3) -> None:
-    """Two values of ``triton_fused._TMA_MIN_WORK`` (as powers of two) interleaved ``rounds``
-    times in one process: each path's wall (``do_bench``'s median, medians over the rounds) and
-    host ms a call (20 calls back to back; the least over the rounds). Products below the
-    larger threshold load by pointers under it; the first shape is below both (an A/A pair)."""
+def descriptors(shapes, paths, thresholds=None, rounds: int = 3) -> None:
+    """Values of ``triton_fused._TMA_MIN_WORK`` (products below it load their operands by
+    pointers, not tensor descriptors) interleaved ``rounds`` times in one process: each path's
+    GPU time (its kernels' sum; medians), wall (``do_bench``'s median; medians) and host ms a
+    call (20 calls back to back; the least). ``thresholds``: by default descriptors at any size
+    (0) against this tree's rule."""
     import statistics
 
     import triton.testing
@@ -351,19 +323,29 @@ def tma_threshold(shapes, paths, thresholds=(34, 37), rounds: int = 3) -> None:
     from mcore_hooks.kernels import triton_fused
 
     rule = triton_fused._TMA_MIN_WORK
-    print("work / 2^34: " + ", ".join(f"{n}x{h}x{v}={n * h * v / 2**34:.1f}" for n, h, v in shapes), flush=True)
+    thresholds = thresholds or (0, rule)
+    print("work / 2^34: " + ", ".join(f"{n}x{h}x{v}={n * h * v / 2**34:.1f}" for n, h, v in shapes)
+          + "; thresholds / 2^34: " + ", ".join(f"{t / 2**34:g}" for t in thresholds), flush=True)
     try:
         for shape in shapes:
             for name, run in _runs(shape, paths):
-                wall = {e: [] for e in thresholds}
-                host = {e: [] for e in thresholds}
+                got = {t: ([], [], []) for t in thresholds}
                 for _ in range(rounds):
-                    for e in thresholds:
-                        triton_fused._TMA_MIN_WORK = 1 << e
-                        wall[e].append(triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median"))
-                        host[e].append(_host_ms(run, 20))
-                print(f"{shape} {name:16s} wall " + " ".join(f"2^{e} {statistics.median(wall[e]):.3f}" for e in thresholds)
-                      + " | host b2b " + " ".join(f"2^{e} {min(host[e]):.3f}" for e in thresholds), flush=True)
+                    for t in thresholds:
+                        triton_fused._TMA_MIN_WORK = t
+                        for _ in range(5):
+                            run()
+                        torch.cuda.synchronize()
+                        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                            run()
+                            torch.cuda.synchronize()
+                        got[t][0].append(bench_sweep._kernels(prof)[0])
+                        got[t][1].append(triton.testing.do_bench(run, warmup=10, rep=60, return_mode="median"))
+                        got[t][2].append(_host_ms(run, 20))
+                print(f"=== {name} at {shape}: " + "; ".join(
+                    f"from {t / 2**34:g} x 2^34: GPU {statistics.median(g):.3f} ms, wall "
+                    f"{statistics.median(w):.3f}, host {min(h):.3f}" for t, (g, w, h) in got.items()),
+                    flush=True)
     finally:
         triton_fused._TMA_MIN_WORK = rule
 
@@ -499,8 +481,8 @@ def main() -> None:
                     [(256, 896, 32000), (512, 896, 32000), (256, 1536, 32000), (256, 896, 151936)],
                     args.paths or ["lp", "policy"])
     if args.tma_threshold:
-        tma_threshold([tuple(args.shape)] if args.shape else TMA_SHAPES,
-                      args.paths or ["lp", "policy", "policy_main_grad", "ce"])
+        descriptors([tuple(args.shape)] if args.shape else TMA_SHAPES,
+                    args.paths or ["lp", "policy", "policy_main_grad", "ce"], (1 << 34, 1 << 37))
     if args.launches:
         launches(args.shape or (256, 896, 32000), args.paths or ["stock_lp", "lp", "ce", "stock_policy", "policy", "policy_main_grad"])
     if args.host:
