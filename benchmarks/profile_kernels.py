@@ -43,9 +43,15 @@ def main() -> None:
                     help="only linear_cross_entropy fwd+bwd at these chunk sizes (A B .. B A)")
     ap.add_argument("--splits", action="store_true",
                     help="only the forward grid's vocab splits against the rule they replaced")
+    ap.add_argument("--segments", type=int, nargs="+", default=None,
+                    help="only the statistics pass with these vocabulary segment counts, at full "
+                         "vocabularies, their TP shards and few tokens")
     args = ap.parse_args()
     if args.splits:
         compare_splits([(16384, 4096, 151936), (32768, 8192, 128256)])
+        return
+    if args.segments:
+        compare_segments(SEGMENT_SHAPES, args.segments)
         return
     n, h, v = args.shape
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -322,6 +328,46 @@ def compare_splits(shapes) -> None:
                 t = min(ts)
                 print(f"  {rows} tokens, {name} ({sp} splits): {t:.2f} ms ({' / '.join(f'{x:.2f}' for x in ts)}), "
                       f"{flop / t / 1e9 / ceiling:.0%}", flush=True)
+
+
+# Full vocabularies and their TP 2 / 4 / 8 shards at the benchmark's token count, and few-token calls.
+SEGMENT_SHAPES = [(16384, 4096, v) for v in (151936, 75968, 37984, 18992, 128256, 64128, 32064, 32000)] + [
+    (256, 4096, 151936), (256, 8192, 151936), (512, 4096, 151936), (2048, 4096, 151936), (256, 896, 32000)]
+
+
+def compare_segments(shapes, counts, rounds: int = 3) -> None:
+    """The statistics pass (the kernel and the segments' merge, ``local_stats``) with the
+    vocabulary cut into each of ``counts`` segments (:data:`~.triton_fused._SEGMENTS`), the
+    counts interleaved in ``rounds`` rounds; the least and each round's ms."""
+    base = tf._SEGMENTS
+    sms = tf._num_sms(0)
+    tile = DEFAULT.tiles.fwd
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, h, v in shapes:
+        x = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).bfloat16()
+        label = torch.randint(0, v, (n,), device="cuda", generator=g)
+        coef = torch.ones(n, device="cuda")
+        times: dict = {c: [] for c in counts}
+        try:
+            for _ in range(rounds):
+                for c in counts:
+                    tf._SEGMENTS = c
+                    times[c].append(bench(lambda: DEFAULT.local_stats(x, w, coef, label, 0)))
+        finally:
+            tf._SEGMENTS = base
+        vtiles = triton.cdiv(v, tile.block_v)
+        rb = min(triton.cdiv(n, tile.block_n), tf._FWD_GROUP // tile.block_n)
+        parts = []
+        for c in counts:
+            tf._SEGMENTS = c
+            seg_tiles, segs = tf.vocab_segments(vtiles)
+            tf._SEGMENTS = base
+            splits = tf.forward_splits(rb, segs, sms)
+            parts.append(f"S{c} ({segs} x {seg_tiles} tiles, {splits} splits): {min(times[c]):.3f} "
+                         f"({' / '.join(f'{t:.3f}' for t in times[c])})")
+        print(f"{n}x{h}x{v}: " + "; ".join(parts), flush=True)
+        del x, w
 
 
 if __name__ == "__main__":

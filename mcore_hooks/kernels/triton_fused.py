@@ -13,7 +13,7 @@ of 2048 tokens x vocab splits. Each program computes a ``[BLOCK_N, BLOCK_V]`` lo
 ``tl.dot`` over the hidden size (fp32 accumulators), scales it by ``coef`` and folds it into
 running per-row max / sum-exp / entropy term held in registers; logits never reach memory. The
 vocabulary is cut into fixed segments (:func:`vocab_segments`, from its size alone); a program
-walks whole segments and stores each one's statistics (``[segments, N]``, 384 bytes a token),
+walks whole segments and stores each one's statistics (``[segments, N]``, up to 3 KiB a token),
 which a small kernel adds in segment order (on one rank it also finishes them: log-prob,
 entropy, log Z). That merge also forms the label's logit, one fp32 dot per token (kept out of
 the tiles' epilogue, and given no launch of its own). So a token's statistics are the same bits
@@ -89,10 +89,18 @@ _BWD_CHUNK_BYTES = 1 << 30
 _MIN_SPLITS = 4
 # Segments the statistics kernel cuts the vocabulary into (the last may be shorter): each
 # token's statistics are formed per segment and added in segment order, so they do not depend
-# on the number of tokens (which only sets how many segments one program walks). Enough
-# segments to fill the GPU at 1024 tokens; their [3, segments, N] float32 statistics are
-# 384 bytes a token at 32.
-_SEGMENTS = 32
+# on the number of tokens (which only sets how many segments one program walks). Their
+# [3, segments, N] float32 statistics are up to 3 KiB a token (2.3 at 151936: 198 segments of 3
+# tiles). Fine segments fill the GPU at few tokens and balance a tensor-parallel shard's splits;
+# at 32 a 256-token call left half the SMs idle (64 programs), and a TP 2 / 4 shard's 10- or
+# 5-tile segments gave its 8 splits 4 segments where 3.75 was the mean. 256 against 32, H200,
+# the statistics pass (kernel and merge; benchmarks/profile_kernels.py --segments), ms:
+#   - 256 tokens x 151936: 0.855 -> 0.608 (hidden 4096), 1.621 -> 1.158 (8192), 0.291 -> 0.212 (896);
+#   - 16384 x 4096, TP shards of 151936: 17.48 -> 16.35 (V/2), 8.63 -> 7.80 (V/4), 4.61 -> 4.32 (V/8);
+#   - full vocabularies (151936, 128256, 32000) and 512-4096 tokens: within 3%, either way;
+#   - 512 x 1536 x 32000: 0.125 -> 0.151 (the merge walks 125 segments; that call is bound by
+#     the host's 1 ms, not the GPU's).
+_SEGMENTS = 256
 # Tokens per group of the statistics kernel's programs (16 row blocks of 128: with the splits
 # that fill an H100/H200 once, one wave; the groups follow one another in one launch).
 _FWD_GROUP = 2048
@@ -177,20 +185,35 @@ def vocab_segments(vtiles: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=256)  # a few ints a call, the same ones call after call (host time)
 def forward_splits(row_blocks: int, vtiles: int, sms: int, min_splits: int = _MIN_SPLITS) -> int:
     """Vocab splits of the statistics kernel's grid (``row_blocks x splits`` programs, one per SM
-    at a time, each walking ``vtiles / splits`` vocab units: the kernel's segments, or tiles). Its
-    time goes as waves x units per program: the fewest splits within 2% of the least of that, and
-    at least ``min_splits`` (:data:`_MIN_SPLITS`; programs running together then share row
-    blocks and walk the same weight tiles). A rule of two programs per SM left a last wave of a few programs at 2048-4096
-    tokens: 4096 x 4096 x 151936 took 9.38 ms with it, 7.75 with this (H200,
-    ``benchmarks/profile_kernels.py --splits``, on one launch over the whole call, before the
-    groups of ``_FWD_GROUP`` tokens)."""
+    at a time, each walking ``vtiles / splits`` vocab units: the kernel's segments), at least
+    ``min_splits`` (:data:`_MIN_SPLITS`).
+
+    Where a group's programs fit on the GPU at once (``row_blocks x splits <= sms``): the fewest
+    splits within 2% of the least units per program among those that fit. One wave reads each
+    weight tile once for all the group's row blocks; more waves of shorter programs re-read the
+    weight from memory for each wave's row blocks (2048 x 4096 x 151936, 198 segments, H200: 33
+    splits in 4 waves took 4.27 ms, 8 splits in one 3.93 at 32 segments; ``benchmarks/
+    profile_kernels.py --segments``). Where none fits (more than ``sms / min_splits`` row
+    blocks): waves x units per program, the fewest splits within 2% of the least (a rule of
+    two programs per SM had left a last wave of a few programs: 4096 x 4096 x 151936 took 9.38
+    ms with it, 7.75 with this; ``--splits``)."""
     top = max(min_splits, 2 * math.ceil(2 * sms / row_blocks))
+    candidates = range(min(min_splits, vtiles), min(top, vtiles) + 1)
+
+    def per_program(s: int) -> int:
+        return math.ceil(vtiles / s)  # as the launch rounds it: splits may shrink
+
+    def launched(s: int) -> int:
+        return math.ceil(vtiles / per_program(s))
+
+    one_wave = [s for s in candidates if row_blocks * launched(s) <= sms]
+    if one_wave:
+        least = min(per_program(s) for s in one_wave)
+        return next(s for s in one_wave if per_program(s) <= least * 1.02)
 
     def cost(s: int) -> int:
-        per_split = math.ceil(vtiles / s)  # as the launch rounds it: splits may shrink
-        return math.ceil(row_blocks * math.ceil(vtiles / per_split) / sms) * per_split
+        return math.ceil(row_blocks * launched(s) / sms) * per_program(s)
 
-    candidates = range(min(min_splits, vtiles), min(top, vtiles) + 1)
     least = min(cost(s) for s in candidates)
     return next(s for s in candidates if cost(s) <= least * 1.02)
 
