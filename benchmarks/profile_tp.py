@@ -1,0 +1,139 @@
+"""Where a tensor-parallel forward's time goes: the log-prob pass on each rank's vocabulary shard,
+with and without the group, all ranks at once (NCCL, one rank per GPU).
+
+    python benchmarks/profile_tp.py --tp 2 4 [--shape 16384 4096 151936] [--iters 10]
+
+For each TP degree, each rank's median ms of ``linear_logprob_entropy`` forwards (no grad):
+
+- ``shard alone``: the shard's pass with no group (every rank at once, so the GPUs share the
+  node's power and the host as in the TP run; its result is not the model's);
+- ``TP`` / ``TP + SP``: the pass over the group (the statistics gathered and combined; under SP
+  the hidden states all-gathered first);
+- each timed two ways: calls back to back (``bench_tp.py``'s way: a rank's skew carries into
+  the next call's collective) and each call after a barrier and a sync (no carried skew).
+
+Then one profile (``torch.profiler``, CUDA activity) of the TP forwards on every rank: the GPU
+time by kernel, and the GPU's busy time against the call's. ``bench_tp.py`` gives the
+comparison with stock and Liger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import socket
+import statistics
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+def _median_ms(call, iters: int, synced: bool, group) -> float:
+    """This rank's median ms of ``call`` between CUDA events: back to back (one sync at the end:
+    a rank's skew carries into the next call's collective) or each call after a barrier and a
+    sync (the host's work before the first kernel is then in the time)."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    events = []
+    for _ in range(iters):
+        if synced:
+            torch.cuda.synchronize()
+            dist.barrier(group=group)
+            torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        call()
+        b.record()
+        events.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in events)
+
+
+def _worker(rank: int, world: int, port: int, shape, iters: int) -> None:
+    from mcore_hooks.kernels import VocabParallel, linear_logprob_entropy
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD
+    n, h, v = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).bfloat16()
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    vl = v // world
+    w = w[rank * vl:(rank + 1) * vl].contiguous()
+    xs = x.chunk(world)[rank].contiguous()
+    # the shard alone: its own labels in range (the pass refuses ids past the shard)
+    y_local = y % vl
+    paths = {
+        "shard alone": lambda: linear_logprob_entropy(x, w, y_local),
+        "TP": lambda: linear_logprob_entropy(x, w, y, parallel=VocabParallel(group, rank * vl, False)),
+        "TP + SP": lambda: linear_logprob_entropy(xs, w, y, parallel=VocabParallel(group, rank * vl, True)),
+    }
+    rows = []
+    with torch.no_grad():
+        for name, call in paths.items():
+            for synced in (False, True):
+                ms = _median_ms(call, iters, synced, group)
+                out = [torch.zeros(1, dtype=torch.float64, device="cuda") for _ in range(world)]
+                dist.all_gather(out, torch.tensor([ms], dtype=torch.float64, device="cuda"), group=group)
+                rows.append((name, synced, [round(t.item(), 3) for t in out]))
+        # what in a TP call waits on the device (an item(), a copy to the host), as torch sees it
+        syncs = {}
+        for name in ("TP", "TP + SP"):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    paths[name]()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            syncs[name] = [str(w.message).splitlines()[0][:120] for w in caught]
+        dist.barrier(group=group)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                paths["TP"]()
+            torch.cuda.synchronize()
+    if rank == 0:
+        print(f"=== TP {world}, {shape}, forward (no grad), ms a call on each rank (median of {iters})")
+        for name, synced, ms in rows:
+            print(f"  {name:12s} {'after a barrier' if synced else 'back to back  '}: {ms}")
+        for name, found in syncs.items():
+            print(f"  {name}: {len(found)} synchronizing CUDA call(s) in a call" + "".join(f"\n    {m}" for m in found))
+    for r in range(world):
+        dist.barrier(group=group)
+        if r == rank:
+            events = [e for e in prof.key_averages() if e.device_time_total > 0]
+            events.sort(key=lambda e: -e.device_time_total)
+            busy = sum(e.device_time_total for e in events) / 5 / 1e3
+            print(f"--- TP {world}, rank {rank}: GPU busy {busy:.3f} ms a TP call (5 calls profiled)")
+            for e in events[:8]:
+                print(f"    {e.device_time_total / 5 / 1e3:8.3f} ms  x{e.count // 5:<3d} {e.key[:90]}")
+    dist.barrier(group=group)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--shape", type=int, nargs=3, default=[16384, 4096, 151936])
+    ap.add_argument("--iters", type=int, default=10)
+    args = ap.parse_args()
+    import torch.multiprocessing as mp
+
+    for world in args.tp:
+        if world > torch.cuda.device_count():
+            print(f"TP {world}: only {torch.cuda.device_count()} GPUs")
+            continue
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(_worker, args=(world, port, tuple(args.shape), args.iters), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()
