@@ -94,12 +94,13 @@ _MIN_SPLITS = 4
 # tiles). Fine segments fill the GPU at few tokens and balance a tensor-parallel shard's splits;
 # at 32 a 256-token call left half the SMs idle (64 programs), and a TP 2 / 4 shard's 10- or
 # 5-tile segments gave its 8 splits 4 segments where 3.75 was the mean. 256 against 32, H200,
-# the statistics pass (kernel and merge; benchmarks/profile_kernels.py --segments), ms:
-#   - 256 tokens x 151936: 0.855 -> 0.608 (hidden 4096), 1.621 -> 1.158 (8192), 0.291 -> 0.212 (896);
-#   - 16384 x 4096, TP shards of 151936: 17.48 -> 16.35 (V/2), 8.63 -> 7.80 (V/4), 4.61 -> 4.32 (V/8);
-#   - full vocabularies (151936, 128256, 32000) and 512-4096 tokens: within 3%, either way;
+# the statistics pass (kernel and merge), ms (benchmarks/profile_kernels.py --segments 32 256,
+# benchmarks/segments_256_h200.log):
+#   - 256 tokens x 151936: 0.856 -> 0.606 (hidden 4096), 1.628 -> 1.171 (8192);
+#   - 16384 x 4096, TP shards of 151936: 17.72 -> 16.22 (V/2), 8.63 -> 7.93 (V/4), 4.63 -> 4.32 (V/8);
+#   - full vocabularies (151936, 128256, 64128, 32000) and 512-2048 tokens: within 3%, either way;
 #   - 512 x 1536 x 32000: 0.125 -> 0.151 (the merge walks 125 segments; that call is bound by
-#     the host's 1 ms, not the GPU's).
+#     the host's 1 ms, not the GPU's; benchmarks/segments_rule_h200.log).
 _SEGMENTS = 256
 # Tokens per group of the statistics kernel's programs (16 row blocks of 128: with the splits
 # that fill an H100/H200 once, one wave; the groups follow one another in one launch).
@@ -191,9 +192,9 @@ def forward_splits(row_blocks: int, vtiles: int, sms: int, min_splits: int = _MI
     Where a group's programs fit on the GPU at once (``row_blocks x splits <= sms``): the fewest
     splits within 2% of the least units per program among those that fit. One wave reads each
     weight tile once for all the group's row blocks; more waves of shorter programs re-read the
-    weight from memory for each wave's row blocks (2048 x 4096 x 151936, 198 segments, H200: 33
-    splits in 4 waves took 4.27 ms, 8 splits in one 3.93 at 32 segments; ``benchmarks/
-    profile_kernels.py --segments``). Where none fits (more than ``sms / min_splits`` row
+    weight from memory for each wave's row blocks (2048 x 4096 x 151936 on an H200: 198
+    segments in 33 splits, 4 waves, took 4.27 ms, and 3.93-3.95 in 8 splits, one wave;
+    ``benchmarks/segments_rule_h200.log``, ``segments_256_h200.log``). Where none fits (more than ``sms / min_splits`` row
     blocks): waves x units per program, the fewest splits within 2% of the least (a rule of
     two programs per SM had left a last wave of a few programs: 4096 x 4096 x 151936 took 9.38
     ms with it, 7.75 with this; ``--splits``)."""
