@@ -12,9 +12,11 @@ For each TP degree, each rank's median ms of ``linear_logprob_entropy`` forwards
 - each timed two ways: calls back to back (``bench_tp.py``'s way: a rank's skew carries into
   the next call's collective) and each call after a barrier and a sync (no carried skew).
 
-Then one profile (``torch.profiler``, CUDA activity) of the TP forwards on every rank: the GPU
-time by kernel, and the GPU's busy time against the call's. ``bench_tp.py`` gives the
-comparison with stock and Liger.
+Then torch's sync debug mode over one TP and one TP + SP call (any operation that waits on the
+device), and one profile (``torch.profiler``, CUDA activity, after warm-up steps so that the
+ranks' profilers all run) of five TP forwards on every rank: the GPU's time a call by kernel,
+and summed (busy time, to set beside the call's time above; a collective's wait for a slower
+rank counts as busy). ``bench_tp.py`` gives the comparison with stock and Liger.
 """
 
 from __future__ import annotations
@@ -59,11 +61,11 @@ def _worker(rank: int, world: int, port: int, shape, iters: int) -> None:
                             device_id=torch.device("cuda", rank))
     group = dist.group.WORLD
     n, h, v = shape
+    vl = v // world  # the shards cover world * vl rows: the labels stay among them
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, h, device="cuda", generator=g).bfloat16()
     w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).bfloat16()
-    y = torch.randint(0, v, (n,), device="cuda", generator=g)
-    vl = v // world
+    y = torch.randint(0, vl * world, (n,), device="cuda", generator=g)
     w = w[rank * vl:(rank + 1) * vl].contiguous()
     xs = x.chunk(world)[rank].contiguous()
     # the shard alone: its own labels in range (the pass refuses ids past the shard)
@@ -91,12 +93,19 @@ def _worker(rank: int, world: int, port: int, shape, iters: int) -> None:
                     paths[name]()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            syncs[name] = [str(w.message).splitlines()[0][:120] for w in caught]
+            # torch's own note that the mode is a prototype is not a synchronisation
+            syncs[name] = [str(w.message).splitlines()[0][:120] for w in caught
+                           if "called a synchronizing" in str(w.message)]
         dist.barrier(group=group)
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
+        # wait and warm-up steps first: the ranks' profilers start at different times, and a
+        # collective issued before the last one runs would count that wait as busy
+        schedule = torch.profiler.schedule(wait=2, warmup=2, active=5)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA],
+                                    schedule=schedule) as prof:
+            for _ in range(9):
                 paths["TP"]()
+                prof.step()
             torch.cuda.synchronize()
     if rank == 0:
         print(f"=== TP {world}, {shape}, forward (no grad), ms a call on each rank (median of {iters})")
@@ -123,6 +132,8 @@ def main() -> None:
     ap.add_argument("--shape", type=int, nargs=3, default=[16384, 4096, 151936])
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
+    if any(args.shape[0] % world for world in args.tp):
+        ap.error("--shape: the tokens must divide by every TP degree (sequence parallelism)")
     import torch.multiprocessing as mp
 
     for world in args.tp:

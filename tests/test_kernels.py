@@ -344,27 +344,42 @@ def _grid_cost(row_blocks: int, vtiles: int, sms: int, splits: int) -> int:
     return math.ceil(row_blocks * math.ceil(vtiles / per_split) / sms) * per_split
 
 
-@settings(max_examples=300, deadline=None)
-@given(row_blocks=st.integers(1, 4096), vtiles=st.integers(1, 4096), sms=st.integers(1, 256))
-def test_forward_splits_takes_one_wave_where_one_fits(row_blocks, vtiles, sms):
-    """The statistics kernel's vocab splits: at least 4 (or every unit). Where some grid of at
-    least 4 splits fits the GPU at once, a one-wave grid whose programs walk within 2% of the
-    fewest units any one-wave grid gives them; where none fits, a grid within 2% of the one the
-    earlier fixed rule (the fewest splits giving two programs per SM) launched."""
+def _check_forward_splits(row_blocks: int, vtiles: int, sms: int) -> None:
+    """forward_splits against every split count from 1 to ``vtiles`` (brute force, not the
+    rule's own candidates): at least 4 (or every unit); where some count of at least 4 fits the
+    GPU at once, a one-wave grid whose programs walk within 2% of the fewest units any one-wave
+    count gives them; where none fits, a grid within 2% of the one the earlier fixed rule (the
+    fewest splits giving two programs per SM) launched."""
     from mcore_hooks.kernels.triton_fused import forward_splits
 
     s = forward_splits(row_blocks, vtiles, sms)
     assert min(4, vtiles) <= s <= vtiles
-    per_program = math.ceil(vtiles / s)
-    launched = math.ceil(vtiles / per_program)
-    top = max(4, 2 * math.ceil(2 * sms / row_blocks))
-    one_wave = [math.ceil(vtiles / c) for c in range(min(4, vtiles), min(top, vtiles) + 1)
-                if row_blocks * math.ceil(vtiles / math.ceil(vtiles / c)) <= sms]
+
+    def per_program(c: int) -> int:
+        return math.ceil(vtiles / c)
+
+    def fits(c: int) -> bool:  # the splits the launch makes of c: ceil(vtiles / per program)
+        return row_blocks * math.ceil(vtiles / per_program(c)) <= sms
+
+    one_wave = [per_program(c) for c in range(min(4, vtiles), vtiles + 1) if fits(c)]
     if one_wave:
-        assert row_blocks * launched <= sms and per_program <= 1.02 * min(one_wave)
+        assert fits(s) and per_program(s) <= 1.02 * min(one_wave)
     else:
         fixed = max(4, math.ceil(2 * sms / row_blocks))
         assert _grid_cost(row_blocks, vtiles, sms, s) <= 1.02 * _grid_cost(row_blocks, vtiles, sms, fixed)
+
+
+@settings(max_examples=300, deadline=None)
+@given(row_blocks=st.integers(1, 4096), vtiles=st.integers(1, 2048), sms=st.integers(1, 256))
+def test_forward_splits_any_grid(row_blocks, vtiles, sms):
+    _check_forward_splits(row_blocks, vtiles, sms)
+
+
+@settings(max_examples=300, deadline=None)
+@given(row_blocks=st.integers(1, 16), vtiles=st.integers(1, 1024), sms=st.integers(16, 160))
+def test_forward_splits_the_grids_the_kernel_launches(row_blocks, vtiles, sms):
+    # a group has at most 16 row blocks (_FWD_GROUP / 128): mostly the one-wave case
+    _check_forward_splits(row_blocks, vtiles, sms)
 
 
 def test_forward_splits_keep_a_groups_programs_in_one_wave():

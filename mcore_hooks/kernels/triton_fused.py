@@ -98,7 +98,8 @@ _MIN_SPLITS = 4
 # benchmarks/segments_256_h200.log):
 #   - 256 tokens x 151936: 0.856 -> 0.606 (hidden 4096), 1.628 -> 1.171 (8192);
 #   - 16384 x 4096, TP shards of 151936: 17.72 -> 16.22 (V/2), 8.63 -> 7.93 (V/4), 4.63 -> 4.32 (V/8);
-#   - full vocabularies (151936, 128256, 64128, 32000) and 512-2048 tokens: within 3%, either way;
+#   - full vocabularies (151936, 128256, 64128, 32000) and 512-2048 tokens: within 3% either way
+#     in that run (an earlier one: 4.9% slower at 128256; benchmarks/segments_rule_h200.log);
 #   - 512 x 1536 x 32000: 0.125 -> 0.151 (the merge walks 125 segments; that call is bound by
 #     the host's 1 ms, not the GPU's; benchmarks/segments_rule_h200.log).
 _SEGMENTS = 256
@@ -190,11 +191,13 @@ def forward_splits(row_blocks: int, vtiles: int, sms: int, min_splits: int = _MI
     ``min_splits`` (:data:`_MIN_SPLITS`).
 
     Where a group's programs fit on the GPU at once (``row_blocks x splits <= sms``): the fewest
-    splits within 2% of the least units per program among those that fit. One wave reads each
-    weight tile once for all the group's row blocks; more waves of shorter programs re-read the
-    weight from memory for each wave's row blocks (2048 x 4096 x 151936 on an H200: 198
-    segments in 33 splits, 4 waves, took 4.27 ms, and 3.93-3.95 in 8 splits, one wave;
-    ``benchmarks/segments_rule_h200.log``, ``segments_256_h200.log``). Where none fits (more than ``sms / min_splits`` row
+    splits within 2% of the least units per program among those that fit. More waves of
+    shorter programs were slower, though the old cost (waves x units) ranked them first: at
+    2048 x 4096 x 151936 on an H200, 198 segments in 33 splits (4 waves) took 4.27 ms, where 32
+    segments in 8 splits took 3.93 in the same run, and 198 in 8 splits 3.93-3.95 in two others
+    (``benchmarks/segments_rule_h200.log``, ``segments_256_h200.log``). Likely, not measured:
+    each wave re-reads the weight for its row blocks, where one wave reads it once for the
+    group. Where none fits (more than ``sms / min_splits`` row
     blocks): waves x units per program, the fewest splits within 2% of the least (a rule of
     two programs per SM had left a last wave of a few programs: 4096 x 4096 x 151936 took 9.38
     ms with it, 7.75 with this; ``--splits``)."""

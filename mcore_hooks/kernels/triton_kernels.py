@@ -95,7 +95,8 @@ if triton is not None:
             # A segment's last tile: store, start the next segment afresh (selects, not a
             # branch; tiles past the vocabulary's end, in the last split, store nothing).
             last = (((vt + 1) % seg_tiles == 0) | (vt + 1 == vtiles)) & (vt < vtiles)
-            out = (vt // seg_tiles) * stride_p + rows
+            # 64-bit: segments x N passes int32 from 8.4M tokens at 256 segments
+            out = (vt // seg_tiles).to(tl.int64) * stride_p + rows
             # the flag as a vector (Triton's interpreter refuses a scalar in a store's mask)
             smask = rmask & (tl.zeros([BLOCK_N], dtype=tl.int32) + last.to(tl.int32) != 0)
             tl.store(M + out, m, mask=smask)
@@ -109,15 +110,23 @@ if triton is not None:
     def _merged(M, S, A, cols, mask, N, segments):
         """A block of tokens' segment statistics added in segment order (a fixed order, whatever
         the number of tokens: a reduction's order in PyTorch may follow the shape)."""
+        # The pointers step by N a segment (64-bit: i * N in int32 would pass 2^31 from 8.4M
+        # tokens at 256 segments).
         m = tl.full(cols.shape, -float("inf"), dtype=tl.float32)
+        pm = M + cols
         for i in range(0, segments):
-            m = tl.maximum(m, tl.load(M + i * N + cols, mask=mask, other=0.0))
+            m = tl.maximum(m, tl.load(pm, mask=mask, other=0.0))
+            pm += N
         s = tl.zeros(cols.shape, dtype=tl.float32)
         a = tl.zeros(cols.shape, dtype=tl.float32)
+        pm, ps, pa = M + cols, S + cols, A + cols
         for i in range(0, segments):
-            mi = tl.load(M + i * N + cols, mask=mask, other=0.0)
-            si = tl.load(S + i * N + cols, mask=mask, other=0.0)
-            ai = tl.load(A + i * N + cols, mask=mask, other=0.0)
+            mi = tl.load(pm, mask=mask, other=0.0)
+            si = tl.load(ps, mask=mask, other=0.0)
+            ai = tl.load(pa, mask=mask, other=0.0)
+            pm += N
+            ps += N
+            pa += N
             shift = mi - m
             alpha = tl.exp(shift)
             s += si * alpha
