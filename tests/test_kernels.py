@@ -345,11 +345,11 @@ def _grid_cost(row_blocks: int, vtiles: int, sms: int, splits: int) -> int:
 
 
 def _check_forward_splits(row_blocks: int, vtiles: int, sms: int) -> None:
-    """forward_splits against every split count from 1 to ``vtiles`` (brute force, not the
-    rule's own candidates): at least 4 (or every unit); where some count of at least 4 fits the
-    GPU at once, a one-wave grid whose programs walk within 2% of the fewest units any one-wave
-    count gives them; where none fits, a grid within 2% of the one the earlier fixed rule (the
-    fewest splits giving two programs per SM) launched."""
+    """forward_splits against every split count from 4 (or ``vtiles``, if fewer) to ``vtiles``
+    (brute force, not the rule's own candidates): at least 4 (or every unit); where some such
+    count fits the GPU at once, a one-wave grid whose programs walk within 2% of the fewest
+    units any one-wave count gives them; where none fits, a grid within 2% of the one the
+    earlier fixed rule (the fewest splits giving two programs per SM) launched."""
     from mcore_hooks.kernels.triton_fused import forward_splits
 
     s = forward_splits(row_blocks, vtiles, sms)
@@ -383,10 +383,10 @@ def test_forward_splits_the_grids_the_kernel_launches(row_blocks, vtiles, sms):
 
 
 def test_forward_splits_keep_a_groups_programs_in_one_wave():
-    # 2048 tokens (16 row blocks) x 151936 (198 segments of 3 tiles) on 132 SMs: 8 splits, one
-    # wave reading the weight once, not 33 splits in four waves of shorter programs (fewer
-    # units a program, but the weight read again for each wave's row blocks: 4.27 ms against
-    # 3.93 on an H200); 256 tokens (2 row blocks): 66 splits fill the GPU.
+    # 2048 tokens (16 row blocks) x 151936 (198 segments of 3 tiles) on 132 SMs: 8 splits in
+    # one wave, not 33 splits in four waves of shorter programs (fewer units a program, yet
+    # 4.27 ms against 3.93-3.95 on an H200; likely the weight read again for each wave's row
+    # blocks); 256 tokens (2 row blocks): 66 splits fill the GPU.
     from mcore_hooks.kernels.triton_fused import forward_splits
 
     assert forward_splits(16, 198, 132) == 8
