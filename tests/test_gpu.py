@@ -873,7 +873,7 @@ def test_default_fused_losses_are_batch_invariant(loss):
 
 def test_processors_through_the_hook_are_batch_invariant_by_default():
     """The README's claim through the public path: the hook's keywords from a bf16 tiny
-    GPTModel's forward of 40 samples (a 32000-token vocabulary: 32 segments of several tiles),
+    GPTModel's forward of 40 samples (a 32000-token vocabulary: 125 one-tile segments),
     handed to the bundled log-prob processors and the fused policy loss (default options,
     Triton chosen; the loss summed over tokens, so no token's weight follows the batch) whole
     and sliced to fewer samples: each sample's log-probs, entropies and hidden-state gradient
