@@ -22,7 +22,6 @@ rank counts as busy). ``bench_tp.py`` gives the comparison with stock and Liger.
 from __future__ import annotations
 
 import argparse
-import math
 import socket
 import statistics
 import warnings
@@ -30,27 +29,29 @@ import warnings
 import torch
 import torch.distributed as dist
 
+import bench_tp
+
 
 def _median_ms(call, iters: int, synced: bool, group) -> float:
-    """This rank's median ms of ``call`` between CUDA events: back to back (one sync at the end:
-    a rank's skew carries into the next call's collective) or each call after a barrier and a
-    sync (the host's work before the first kernel is then in the time)."""
+    """This rank's median ms of ``call`` between CUDA events: back to back (``bench_tp.timed``:
+    one sync at the end, so a rank's skew carries into the next call's collective) or each call
+    after a barrier and a sync (the host's work before the first kernel is then in the time)."""
+    if not synced:
+        return bench_tp.timed(call, iters, 3)
     for _ in range(3):
         call()
-    torch.cuda.synchronize()
-    events = []
+    times = []
     for _ in range(iters):
-        if synced:
-            torch.cuda.synchronize()
-            dist.barrier(group=group)
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         call()
         b.record()
-        events.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in events)
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
 
 
 def _worker(rank: int, world: int, port: int, shape, iters: int) -> None:
@@ -60,12 +61,9 @@ def _worker(rank: int, world: int, port: int, shape, iters: int) -> None:
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     group = dist.group.WORLD
-    n, h, v = shape
-    vl = v // world  # the shards cover world * vl rows: the labels stay among them
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(n, h, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(v, h, device="cuda", generator=g) / math.sqrt(h)).bfloat16()
-    y = torch.randint(0, vl * world, (n,), device="cuda", generator=g)
+    vl = shape[2] // world
+    x, w, y = bench_tp.inputs(shape, torch.device("cuda", rank))  # the whole problem, as bench_tp's
+    y = y % (vl * world)  # the shards cover world * vl rows: the labels stay among them
     w = w[rank * vl:(rank + 1) * vl].contiguous()
     xs = x.chunk(world)[rank].contiguous()
     # the shard alone: its own labels in range (the pass refuses ids past the shard)
