@@ -8,6 +8,7 @@ back-to-back calls) and the device's kernels at large ones (``torch.profiler``),
     python benchmarks/profile_calls.py --descriptors [--shape 256 896 32000] [--paths lp policy]
     python benchmarks/profile_calls.py --tma-threshold [--shape 512 2048 32000] [--paths lp ce]
     python benchmarks/profile_calls.py --dw-routes [--shape 1024 4096 151936]
+    python benchmarks/profile_calls.py --timeline [--shape 256 896 32000]
 
 ``--host`` also times the floor under the library: an empty Triton kernel's launch with as many
 arguments as the statistics kernel takes, and a tensor descriptor's construction.
@@ -445,6 +446,124 @@ def dw_routes(shape) -> None:
           f"product {t_mm:.2f}, scaling {t_cast:.2f} / {t_add:.2f})", flush=True)
 
 
+def timeline(shape, calls: int = 300) -> None:
+    """A log-prob call's host time stage by stage: timestamps (``time.perf_counter``) at the
+    entry and exit of each layer of the call, forward and backward, and around each launch,
+    over back-to-back calls; the median gap between consecutive marks. Beside it, a bare
+    autograd Function of the same two outputs under the same sum and backward (the floor the
+    engine and the caller's own ops set), and that floor with the backward's allocations and
+    product (the work around the launches that the backward cannot skip)."""
+    import collections
+    import statistics
+
+    import mcore_hooks.kernels as K
+    from mcore_hooks.kernels import dispatch, launch, stats_op, triton_fused
+
+    x, w, y, _ = _inputs(*shape)
+    marks: list = []
+    clock = time.perf_counter
+
+    def wrap(owner, name, label):
+        fn = getattr(owner, name)
+
+        def timed(*a, **kw):
+            marks.append((label + ">", clock()))
+            try:
+                return fn(*a, **kw)
+            finally:
+                marks.append(("<" + label, clock()))
+
+        setattr(owner, name, timed)
+        return owner, name, fn
+
+    op = stats_op.logsoftmax_stats
+    setup, backward = dispatch._AUTOGRAD[op]
+    names = {}
+
+    def launch_timed(self, grid, args, kwargs, _fn=launch.FastLaunch._launch):
+        label = names.setdefault(id(self), getattr(self.kernel, "__name__", None) or repr(self.kernel))
+        marks.append((label + ">", clock()))
+        _fn(self, grid, args, kwargs)
+        marks.append(("<" + label, clock()))
+
+    def backward_timed(ctx, *g):
+        marks.append(("backward>", clock()))
+        try:
+            return backward(ctx, *g)
+        finally:
+            marks.append(("<backward", clock()))
+
+    def call():
+        x.grad = w.grad = None
+        marks.append(("call>", clock()))
+        r = K.linear_logprob_entropy(x, w, y)
+        marks.append(("<call", clock()))
+        loss = r.logprob.sum() + r.entropy.sum()
+        marks.append(("sum", clock()))
+        loss.backward()
+        marks.append(("<.backward()", clock()))
+
+    restore = [wrap(K, "_prepare", "prepare"), wrap(stats_op, "stats", "stats_op"),
+               wrap(triton_fused.TritonFused, "stats", "fused.stats"),
+               wrap(triton_fused.TritonFused, "grads", "grads"),
+               wrap(triton_fused.TritonFused, "_hidden_grad", "dx")]
+    saved_launch = launch.FastLaunch._launch
+    launch.FastLaunch._launch = launch_timed
+    dispatch._AUTOGRAD[op] = (setup, backward_timed)
+    try:
+        for _ in range(30):
+            call()
+        torch.cuda.synchronize()
+        gaps = collections.defaultdict(list)
+        total = []
+        for _ in range(calls):
+            marks.clear()
+            call()
+            total.append((marks[-1][1] - marks[0][1]) * 1e3)
+            for (a, ta), (b, tb) in zip(marks, marks[1:]):
+                gaps[f"{a} -> {b}"].append((tb - ta) * 1e6)
+        torch.cuda.synchronize()
+    finally:
+        for owner, name, fn in restore:
+            setattr(owner, name, fn)
+        launch.FastLaunch._launch = saved_launch
+        dispatch._AUTOGRAD[op] = (setup, backward)
+    print(f"=== timeline of linear_logprob_entropy at {shape}, back to back: {statistics.median(total):.3f} ms "
+          f"a call (median of {calls}); us between marks (median, least)")
+    for k, v in gaps.items():
+        print(f"  {k:50s} {statistics.median(v):8.1f} {min(v):8.1f}")
+
+    class Bare(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, heavy):
+            ctx.heavy = heavy
+            ctx.save_for_backward(x, w)
+            n = x.shape[0]
+            return x.new_empty(n, dtype=torch.float32), x.new_empty(n, dtype=torch.float32)
+
+        @staticmethod
+        def backward(ctx, g1, g2):
+            x, w = ctx.saved_tensors
+            if not ctx.heavy:
+                return torch.empty_like(x), torch.empty_like(w), None
+            dz = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+            dw = torch.empty_like(w)
+            torch.mm(dz.t(), x, out=dw)
+            return torch.empty_like(x), dw, None
+
+    for heavy in (False, True):
+        def floor(heavy=heavy):
+            x.grad = w.grad = None
+            a, b = Bare.apply(x, w, heavy)
+            (a.sum() + b.sum()).backward()
+
+        for _ in range(30):
+            floor()
+        ms = min(_host_ms(floor, calls) for _ in range(5))
+        what = "with the backward's allocations and dW product" if heavy else "empty outputs and gradients"
+        print(f"  a bare autograd Function, {what}: {ms:.3f} ms a call")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--host", action="store_true")
@@ -463,7 +582,11 @@ def main() -> None:
                     help="small products by pointers (this tree's rule) against descriptors")
     ap.add_argument("--dz-group", type=int, default=None,
                     help="row blocks of the logit-gradient kernel's program groups (a trial value)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="a small log-prob call's host time stage by stage (timestamps)")
     args = ap.parse_args()
+    if args.timeline:
+        timeline(args.shape or (256, 896, 32000))
     if args.dz_group:
         from mcore_hooks.kernels import triton_fused
 
