@@ -311,6 +311,50 @@ def test_triton_adds_the_weight_gradient_into_an_accumulator(dtype, chunked, mon
     assert rel(acc - 1, dw) < GRAD_TOL[dtype] / 8
 
 
+@pytest.mark.parametrize("case", ["plain", "entropy only", "weight only", "hidden only",
+                                  "main_grad", "main_grad placeholder", "no grad"])
+def test_the_one_rank_eager_function_is_the_op(case, monkeypatch):
+    """On one rank, eager, the log-prob pass runs under its own autograd Function
+    (``stats_op._OneRank``) instead of the op's generic eager path: the same results and
+    gradients, bit for bit, for every input that needs a gradient and where the weight's goes;
+    the op's path is taken where the call is traced (forced here)."""
+    from mcore_hooks.kernels import stats_op
+
+    dtype = DTYPES[0]
+    n, h, v = (700, 256, 5003) if ON_GPU else (70, 32, 300)
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::7] = -100
+    labels = labels.to(DEVICE)
+    g1, g2 = (torch.randn(n, generator=g).to(DEVICE) for _ in range(2))
+
+    def run():
+        xr = x.clone().requires_grad_(case not in ("weight only", "no grad"))
+        wr = w.clone().requires_grad_(case not in ("hidden only", "no grad"))
+        acc = torch.ones(v, h, device=DEVICE) if case.startswith("main_grad") else None
+        r = linear_logprob_entropy(
+            xr, wr, None if case == "entropy only" else labels, temperature=0.8, backend="triton",
+            weight_grad_accumulator=acc, placeholder_weight_grad=case == "main_grad placeholder")
+        out = [r.entropy, r.logz] + ([] if case == "entropy only" else [r.logprob, r.label_is_argmax])
+        if case != "no grad":
+            loss = r.entropy @ g2 + (0 if r.logprob is None else r.logprob @ g1)
+            loss.backward()
+        return out + [xr.grad, wr.grad, acc]
+
+    ours = run()
+    monkeypatch.setattr(stats_op, "tracing", lambda: True)  # the op's path, as when traced
+    theirs = run()
+    for a, b in zip(ours, theirs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.shape == b.shape and a.stride() == b.stride()
+            assert torch.equal(a, b)
+    if case == "main_grad placeholder":  # the weight's hooks ran on a zero gradient
+        assert not ours[-2].any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_backwards_vocabulary_chunks_leave_dx_the_same_bits(dtype, monkeypatch):
     """dX's sum over the vocabulary runs tile after tile in one order however the memory budget

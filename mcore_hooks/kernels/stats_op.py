@@ -11,7 +11,7 @@ from torch import Tensor
 from . import guards
 from . import comm
 from . import candidates as cand
-from .dispatch import call, custom_op, register_autograd
+from .dispatch import call, custom_op, register_autograd, tracing
 from .ops import _F32, _backend, _fake_group_size, _group, _nothing, group_name, invariant
 from .options import KernelParams
 
@@ -149,11 +149,51 @@ def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gather
 register_autograd(logsoftmax_stats, _stats_backward, _stats_setup)
 
 
+class _OneRank(torch.autograd.Function):
+    """The pass on one rank (no group), eager: the backend's forward and backward under one
+    autograd Function, the op's formula (:func:`_stats_setup`, :func:`_stats_backward`) without
+    its layers (the op's argument list, :func:`~.dispatch.call`'s generic Function, two backend
+    lookups). At RL's small calls the host bounds the time, and those layers cost about a
+    quarter of a log-prob call's host time on an H200 machine (``profile_calls.py
+    --timeline``)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, p: KernelParams, impl):
+        logprob, entropy, logz, best, m, log_s = impl.stats(
+            hidden, weight, p.coef, p.local_labels, p.valid, p.chunk_size, None, invariant(p.backend))
+        ctx.mark_non_differentiable(logz, best)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, p.local_labels, p.valid, p.coef, m, log_s, entropy)
+        # not saved: written between this forward and its backward by design (as the op's)
+        ctx.p, ctx.impl = p, impl
+        return logprob, entropy, logz, best
+
+    @staticmethod
+    def backward(ctx, d_logprob, d_entropy, _logz, _best):
+        x, weight, labels, valid, coef, m, log_s, entropy = ctx.saved_tensors
+        p = ctx.p
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = p.weight_grad_accumulator if need_w else None
+        dx, dw = ctx.impl.grads(x, weight, coef, labels, m, log_s, entropy, d_logprob, d_entropy,
+                                valid, p.chunk_size, need_x, need_w, acc)
+        if acc is not None:
+            dw = guards.placeholder_grad_like(weight.shape, weight.dtype, weight.device) \
+                if p.dummy_weight_grad else None
+        return dx, dw, None, None
+
+
 def stats(hidden: Tensor, weight: Tensor, p: KernelParams,
           floor: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(logprob, entropy, logz, label_is_argmax)`` through the op, differentiable in ``hidden``
     and ``weight`` (the weight's gradient into ``p.weight_grad_accumulator`` where one is given);
-    with ``floor``, of each token's kept set (as the op's)."""
+    with ``floor``, of each token's kept set (as the op's). Eager on one rank, the Triton
+    backend's: :class:`_OneRank`, the op's implementation and formula with fewer layers."""
+    if p.group is None and floor is None and p.backend.startswith("triton") and not tracing():
+        impl = _backend(p.backend, hidden.device)
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            return _OneRank.apply(hidden, weight, p, impl)
+        return impl.stats(hidden, weight, p.coef, p.local_labels, p.valid, p.chunk_size, None,
+                          invariant(p.backend))[:4]
     args = (hidden, weight, p.local_labels, p.valid, p.coef, p.vocab_start, group_name(p.group),
             p.sequence_parallel, p.chunk_size, p.backend, p.weight_grad_accumulator,
             p.dummy_weight_grad, None, torch.compiler.is_compiling())
