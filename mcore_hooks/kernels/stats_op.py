@@ -150,12 +150,14 @@ register_autograd(logsoftmax_stats, _stats_backward, _stats_setup)
 
 
 class _OneRank(torch.autograd.Function):
-    """The pass on one rank (no group), eager: the backend's forward and backward under one
-    autograd Function, the op's formula (:func:`_stats_setup`, :func:`_stats_backward`) without
-    its layers (the op's argument list, :func:`~.dispatch.call`'s generic Function, two backend
-    lookups). At RL's small calls the host bounds the time, and those layers cost about a
-    quarter of a log-prob call's host time on an H200 machine (``profile_calls.py
-    --timeline``)."""
+    """The pass on one rank (no group, no extra ids, no floor), eager: the backend's forward and
+    backward under one autograd Function, the formula :func:`_stats_setup` and
+    :func:`_stats_backward` give the op there, without the op's layers (its 15-argument list,
+    :func:`~.dispatch.call`'s generic Function, the backend looked up twice, stand-ins for
+    outputs it does not have). At RL's small calls the host bounds the time: 0.10-0.16 ms of a
+    1.2-1.4 ms call on an H200 machine (``benchmarks/RESULTS.md``, ``profile_calls.py
+    --timeline``). ``test_the_one_rank_eager_function_is_the_op`` holds the two to the same
+    bits."""
 
     @staticmethod
     def forward(ctx, hidden, weight, p: KernelParams, impl):
