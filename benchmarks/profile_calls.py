@@ -503,14 +503,18 @@ def timeline(shape, calls: int = 300) -> None:
         loss.backward()
         marks.append(("<.backward()", clock()))
 
-    restore = [wrap(K, "_prepare", "prepare"), wrap(stats_op, "stats", "stats_op"),
-               wrap(triton_fused.TritonFused, "stats", "fused.stats"),
-               wrap(triton_fused.TritonFused, "grads", "grads"),
-               wrap(triton_fused.TritonFused, "_hidden_grad", "dx")]
+    restore = []
     saved_launch = launch.FastLaunch._launch
-    launch.FastLaunch._launch = launch_timed
-    dispatch._AUTOGRAD[op] = (setup, backward_timed)
-    try:
+    try:  # each patch undone in the finally, whichever came before a failure
+        for owner, name, label in ((K, "_prepare", "prepare"), (stats_op, "stats", "stats_op"),
+                                   (triton_fused.TritonFused, "stats", "fused.stats"),
+                                   (triton_fused.TritonFused, "grads", "grads"),
+                                   (triton_fused.TritonFused, "_hidden_grad", "dx")):
+            restore.append(wrap(owner, name, label))
+        launch.FastLaunch._launch = launch_timed
+        # the op's backward: marked where the op's path runs (the one-rank Function's
+        # backward calls the backend itself, and has no layer of its own to mark)
+        dispatch._AUTOGRAD[op] = (setup, backward_timed)
         for _ in range(30):
             call()
         torch.cuda.synchronize()

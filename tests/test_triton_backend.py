@@ -311,13 +311,16 @@ def test_triton_adds_the_weight_gradient_into_an_accumulator(dtype, chunked, mon
     assert rel(acc - 1, dw) < GRAD_TOL[dtype] / 8
 
 
-@pytest.mark.parametrize("case", ["plain", "entropy only", "weight only", "hidden only",
-                                  "main_grad", "main_grad placeholder", "no grad"])
+@pytest.mark.parametrize("case", ["plain", "entropy only", "log-prob only", "weight only",
+                                  "hidden only", "main_grad", "main_grad placeholder", "no grad",
+                                  "retained graph", "compiled autograd"])
 def test_the_one_rank_eager_function_is_the_op(case, monkeypatch):
     """On one rank, eager, the log-prob pass runs under its own autograd Function
-    (``stats_op._OneRank``) instead of the op's generic eager path: the same results and
-    gradients, bit for bit, for every input that needs a gradient and where the weight's goes;
-    the op's path is taken where the call is traced (forced here)."""
+    (``stats_op._OneRank``) instead of the op's generic eager Function (``dispatch._Eager``):
+    the same results and gradients, bit for bit, for every input that needs a gradient, where
+    the weight's goes, an output without a gradient, a second backward, and a backward traced
+    by compiled autograd (which takes the op there). The generic path is forced here by the
+    branch's own test of whether the call is traced."""
     from mcore_hooks.kernels import stats_op
 
     dtype = DTYPES[0]
@@ -338,14 +341,26 @@ def test_the_one_rank_eager_function_is_the_op(case, monkeypatch):
             xr, wr, None if case == "entropy only" else labels, temperature=0.8, backend="triton",
             weight_grad_accumulator=acc, placeholder_weight_grad=case == "main_grad placeholder")
         out = [r.entropy, r.logz] + ([] if case == "entropy only" else [r.logprob, r.label_is_argmax])
+        node = type(r.entropy.grad_fn).__name__
         if case != "no grad":
-            loss = r.entropy @ g2 + (0 if r.logprob is None else r.logprob @ g1)
-            loss.backward()
-        return out + [xr.grad, wr.grad, acc]
+            loss = r.logprob @ g1 if case == "log-prob only" else r.entropy @ g2 + (
+                0 if r.logprob is None else r.logprob @ g1)
+            if case == "compiled autograd":
+                from torch._dynamo import compiled_autograd
 
-    ours = run()
-    monkeypatch.setattr(stats_op, "tracing", lambda: True)  # the op's path, as when traced
-    theirs = run()
+                with compiled_autograd._enable(torch.compile(backend="eager")):
+                    loss.backward()
+            else:
+                loss.backward(retain_graph=case == "retained graph")
+            if case == "retained graph":
+                loss.backward()
+        return out + [xr.grad, wr.grad, acc], node
+
+    ours, node = run()
+    monkeypatch.setattr(stats_op, "tracing", lambda: True)  # the generic eager Function
+    theirs, their_node = run()
+    if case != "no grad":
+        assert (node, their_node) == ("_OneRankBackward", "_EagerBackward")
     for a, b in zip(ours, theirs):
         assert (a is None) == (b is None)
         if a is not None:

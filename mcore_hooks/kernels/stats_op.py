@@ -166,21 +166,29 @@ class _OneRank(torch.autograd.Function):
         ctx.mark_non_differentiable(logz, best)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, p.local_labels, p.valid, p.coef, m, log_s, entropy)
-        # not saved: written between this forward and its backward by design (as the op's)
-        ctx.p, ctx.impl = p, impl
+        # only what the backward reads (the global labels are not); the accumulator not saved:
+        # written between this forward and its backward by design (as the op's)
+        ctx.accumulator, ctx.placeholder = p.weight_grad_accumulator, p.dummy_weight_grad
+        ctx.args, ctx.impl = (p.vocab_start, p.chunk_size, p.backend), impl
         return logprob, entropy, logz, best
 
     @staticmethod
     def backward(ctx, d_logprob, d_entropy, _logz, _best):
         x, weight, labels, valid, coef, m, log_s, entropy = ctx.saved_tensors
-        p = ctx.p
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        acc = p.weight_grad_accumulator if need_w else None
-        dx, dw = ctx.impl.grads(x, weight, coef, labels, m, log_s, entropy, d_logprob, d_entropy,
-                                valid, p.chunk_size, need_x, need_w, acc)
+        acc = ctx.accumulator if need_w else None
+        vocab_start, chunk_size, backend = ctx.args
+        if tracing():  # compiled autograd traces this backward: the op, which it can trace
+            dx, dw = logsoftmax_stats_backward(
+                x, weight, labels, valid, coef, vocab_start, None, False, chunk_size, backend, m,
+                log_s, entropy, d_logprob, d_entropy, need_x, need_w, acc)
+            dx, dw = (dx if need_x else None), (dw if need_w and acc is None else None)
+        else:
+            dx, dw = ctx.impl.grads(x, weight, coef, labels, m, log_s, entropy, d_logprob,
+                                    d_entropy, valid, chunk_size, need_x, need_w, acc)
         if acc is not None:
             dw = guards.placeholder_grad_like(weight.shape, weight.dtype, weight.device) \
-                if p.dummy_weight_grad else None
+                if ctx.placeholder else None
         return dx, dw, None, None
 
 
@@ -190,7 +198,8 @@ def stats(hidden: Tensor, weight: Tensor, p: KernelParams,
     and ``weight`` (the weight's gradient into ``p.weight_grad_accumulator`` where one is given);
     with ``floor``, of each token's kept set (as the op's). Eager on one rank, the Triton
     backend's: :class:`_OneRank`, the op's implementation and formula with fewer layers."""
-    if p.group is None and floor is None and p.backend.startswith("triton") and not tracing():
+    if (p.group is None and not p.sequence_parallel and floor is None
+            and p.backend.startswith("triton") and not tracing()):
         impl = _backend(p.backend, hidden.device)
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             return _OneRank.apply(hidden, weight, p, impl)
