@@ -370,6 +370,61 @@ def test_the_one_rank_eager_function_is_the_op(case, monkeypatch):
         assert not ours[-2].any()
 
 
+@pytest.mark.parametrize("case", ["gradients", "no grad", "labels outside the vocabulary",
+                                  "logit scale", "ignored only"])
+def test_the_prologue_folded_into_the_statistics_pass_is_the_prologue(case, monkeypatch):
+    """The log-prob pass with its per-token inputs formed by the statistics kernel (a scalar
+    coefficient) and its merge (validity, coefficient, local rows), instead of the prologue's
+    own launch: the same results, flags and gradients, bit for bit; NaN at a label outside the
+    vocabulary either way (values unchecked, as on CUDA)."""
+    import mcore_hooks.kernels as K
+    from mcore_hooks.debug import debug_checks
+
+    dtype = DTYPES[0]
+    n, h, v = (700, 256, 5003) if ON_GPU else (70, 32, 300)
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::7] = -100
+    labels[1], labels[2] = 0, v - 1
+    if case == "labels outside the vocabulary":
+        labels[3], labels[5] = v, -3
+    if case == "ignored only":
+        labels[:] = -100
+    labels = labels.to(DEVICE)
+    g1, g2 = (torch.randn(n, generator=g).to(DEVICE) for _ in range(2))
+    seen = []
+    real = K._prepare
+
+    def run(fold):
+        def prepare(*a, **kw):
+            p = real(*a, **dict(kw, fold_prologue=fold and kw.get("fold_prologue", False)))
+            seen.append(p.prologue is not None)
+            return p
+
+        monkeypatch.setattr(K, "_prepare", prepare)
+        xr = x.clone().requires_grad_(case != "no grad")
+        wr = w.clone().requires_grad_(case != "no grad")
+        with debug_checks(False):
+            r = linear_logprob_entropy(xr, wr, labels, temperature=0.7, backend="triton",
+                                       logit_scale=0.37 if case == "logit scale" else 1.0)
+        if case != "no grad":
+            (r.logprob @ g1 + r.entropy @ g2).backward()
+        return [r.logprob, r.entropy, r.logz, r.label_is_argmax, xr.grad, wr.grad]
+
+    folded, unfolded = run(True), run(False)
+    assert seen == [True, False]
+    for a, b in zip(folded, unfolded):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a.isnan(), b.isnan())
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    if case == "labels outside the vocabulary":
+        assert folded[0][[3, 5]].isnan().all() and folded[1][[3, 5]].isnan().all()
+        assert not folded[0][[0, 1, 2, 4]].isnan().any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_backwards_vocabulary_chunks_leave_dx_the_same_bits(dtype, monkeypatch):
     """dX's sum over the vocabulary runs tile after tile in one order however the memory budget
@@ -867,7 +922,7 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
     ptr = {"X": "*bf16", "W": "*bf16", "COEF": "*fp32"}
     fwd = dict(ptr, M="*fp32", S="*fp32", A="*fp32", N="i32", V="i32", H="i32", stride_x="i32",
                stride_w="i32", stride_p="i32", seg_tiles="i32", segments="i32", segs_per_split="i32", splits="i32",
-               group="i32")
+               group="i32", coef_scalar="fp32")
     bwd = dict(ptr, LABEL="*i64", VALID="*i1", M="*fp32", LOGS="*fp32", ENT="*fp32", G1="*fp32",
                G2="*fp32", DZ="*bf16", N="i32", V="i32", H="i32", v0="i32", Vc="i32", stride_x="i32",
                stride_w="i32", stride_dz="i32", stride_g1="i32", stride_g2="i32")
@@ -877,7 +932,8 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
               V="i32", seg_cols="i32", segments="i32", stride_dz="i32", stride_w="i32", stride_o="i32")
     flags = dict(EVEN_K=True, USE_TMA=False)
     return [
-        _compiled_shared_memory(triton_kernels._stats_fwd_kernel, fwd, flags, capability, tiles.fwd),
+        _compiled_shared_memory(triton_kernels._stats_fwd_kernel, fwd, dict(flags, SCALAR_COEF=False),
+                                capability, tiles.fwd),
         _compiled_shared_memory(triton_kernels._dlogits_kernel, bwd,
                                 dict(flags, GROUP=triton_fused._DZ_GROUP, HAS_G1=True, HAS_G2=True),
                                 capability, tiles.bwd),

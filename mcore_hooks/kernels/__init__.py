@@ -122,10 +122,12 @@ def linear_logprob_entropy(
             that does not fit, named.
         TypeError: a dtype or device that does not fit, named.
     """
+    kept = kept_ids is not None or truncation is not None
+    # the params read by the statistics pass alone (no ids): its launches may make them
     p = _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel,
                  chunk_size, backend, accumulator=weight_grad_accumulator,
-                 dummy_weight_grad=placeholder_weight_grad, batch_invariant=batch_invariant)
-    kept = kept_ids is not None or truncation is not None
+                 dummy_weight_grad=placeholder_weight_grad, batch_invariant=batch_invariant,
+                 fold_prologue=not kept and selected_ids is None)
     if kept and (labels is None or kept_ids is not None and truncation is not None or selected_ids is not None):
         raise ValueError(
             "kept_ids / truncation: a distribution renormalised over a kept set needs labels, "

@@ -18,6 +18,7 @@ import torch
 from .autograd import Backend, local_labels
 from .comm import group_rank_size
 from .debug import check_values
+from .dispatch import tracing
 from .invariant import block_rows
 from .options import KernelParams, is_finite
 from .torch_chunked import TorchChunked
@@ -87,8 +88,11 @@ def _token_vector(name: str, t: Any, n: int, device: torch.device,
 def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, parallel, chunk_size,
              backend, fused: bool = False, accumulator: Optional[torch.Tensor] = None,
              dummy_weight_grad: bool = False, upstream_grad: Optional[float] = None,
-             batch_invariant: bool = True) -> KernelParams:
-    """Check the arguments (errors name the argument) and put them in the kernels' form."""
+             batch_invariant: bool = True, fold_prologue: bool = False) -> KernelParams:
+    """Check the arguments (errors name the argument) and put them in the kernels' form.
+    ``fold_prologue``: the caller reads the params only through :func:`~.stats_op.stats`, so
+    where the prologue's launch would run, on one rank, with the Triton backend and a float
+    temperature, it is left to the statistics pass (:attr:`KernelParams.prologue`)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     for name, t in (("hidden", hidden), ("weight", weight)):
@@ -148,7 +152,15 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
         if labels.shape != (n,):
             raise ValueError(f"labels: expected shape ({n},) (one per token), got {tuple(labels.shape)}")
         gl = labels.to(device=dev, dtype=torch.long)
-        fast = _prologue(gl, temperature, logit_scale, ignore_index, n, v_total, vocab_start, v_local)
+        folded = None
+        if fold_prologue and tp == 1 and backend_impl == "triton" and not tracing() \
+                and _prologue_runs(gl) and not isinstance(temperature, torch.Tensor):
+            folded = (float(logit_scale) / _scalar_temperature(temperature), ignore_index, v_total,
+                      vocab_start, v_local)
+            fast = None, None, None
+        else:
+            fast = _prologue(gl, temperature, logit_scale, ignore_index, n, v_total, vocab_start,
+                             v_local)
         if fast is not None:
             valid, coef, local = fast
         else:
@@ -185,7 +197,8 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
     if batch_invariant:
         backend_impl += "+invariant"
     return KernelParams(gl, valid, coef, vocab_start, group, sp, chunk_size, backend_impl,
-                        accumulator, dummy_weight_grad, upstream_grad, local)
+                        accumulator, dummy_weight_grad, upstream_grad, local,
+                        folded if labels is not None else None)
 
 
 def _prologue(labels: torch.Tensor, temperature: Any, logit_scale: float, ignore_index: int, n: int,
@@ -193,12 +206,10 @@ def _prologue(labels: torch.Tensor, temperature: Any, logit_scale: float, ignore
     """``(valid, coef, local labels)`` in one Triton launch where the inputs are on a GPU it runs
     on and no value is to be checked (the torch form's dozen operations cost the host more than
     the GPU work of a small call); None elsewhere. The temperature's form is checked first."""
-    if not labels.is_cuda or check_values(labels) or torch.compiler.is_compiling():
+    if not labels.is_cuda or not _prologue_runs(labels):
         return None
-    from . import triton_fused, triton_tiles
+    from . import triton_fused
 
-    if triton_tiles.device_tiles(labels.device) is None:
-        return None
     coef = 0.0
     if isinstance(temperature, torch.Tensor):
         _coefficient_tensor_checks(temperature, n)
@@ -208,6 +219,16 @@ def _prologue(labels: torch.Tensor, temperature: Any, logit_scale: float, ignore
         temperature = None
     return triton_fused.TritonFused.prologue(labels.contiguous(), temperature, coef, float(logit_scale),
                                              ignore_index, v_total, vocab_start, v_local)
+
+
+def _prologue_runs(labels: torch.Tensor) -> bool:
+    """Whether the prologue's kernel may form the per-token inputs: no value to be checked, not
+    compiled, and Triton's tiles for the device (under Triton's interpreter, the CPU's too)."""
+    if check_values(labels) or torch.compiler.is_compiling():
+        return False
+    from . import triton_tiles
+
+    return triton_tiles.device_tiles(labels.device) is not None
 
 
 def check_upstream_grad_option(upstream_grad: Any) -> None:

@@ -60,6 +60,11 @@ class KernelParams:
         local_labels: ``[N]`` long, the labels as rows of this rank's vocabulary shard; -1
             where the rank does not own the label or the position does not count (what the
             passes take; None only where params are made without them).
+        prologue: ``(coef, ignore_index, v_total, vocab_start, v_local)`` where the prologue is
+            folded into the statistics pass (:meth:`~.triton_fused.TritonFused.stats_with_prologue`:
+            one launch less at small calls): ``valid``, ``coef`` and ``local_labels`` are then
+            None until :func:`~.stats_op.stats`, the params' only reader, makes them. None: they
+            are made.
     """
 
     labels: Any
@@ -74,6 +79,7 @@ class KernelParams:
     dummy_weight_grad: bool = False
     upstream_grad: Optional[float] = None
     local_labels: Any = None
+    prologue: Optional[tuple] = None
 
     @property
     def batch_invariant(self) -> bool:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -161,11 +162,10 @@ class _OneRank(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, p: KernelParams, impl):
-        logprob, entropy, logz, best, m, log_s = impl.stats(
-            hidden, weight, p.coef, p.local_labels, p.valid, p.chunk_size, None, invariant(p.backend))
+        logprob, entropy, logz, best, m, log_s, valid, coef, local = _one_rank(hidden, weight, p, impl)
         ctx.mark_non_differentiable(logz, best)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, p.local_labels, p.valid, p.coef, m, log_s, entropy)
+        ctx.save_for_backward(hidden, weight, local, valid, coef, m, log_s, entropy)
         # only what the backward reads (the global labels are not); the accumulator not saved:
         # written between this forward and its backward by design (as the op's)
         ctx.accumulator, ctx.placeholder = p.weight_grad_accumulator, p.dummy_weight_grad
@@ -192,6 +192,26 @@ class _OneRank(torch.autograd.Function):
         return dx, dw, None, None
 
 
+def _one_rank(hidden: Tensor, weight: Tensor, p: KernelParams, impl) -> tuple[Tensor, ...]:
+    """The Triton backend's statistics on one rank, and the per-token inputs ``(valid, coef,
+    local labels)``: ``p``'s, or made by the pass where ``p.prologue`` folds them into it."""
+    if p.prologue is not None:
+        return impl.stats_with_prologue(hidden, weight, p.labels, p.prologue)
+    return impl.stats(hidden, weight, p.coef, p.local_labels, p.valid, p.chunk_size, None,
+                      invariant(p.backend)) + (p.valid, p.coef, p.local_labels)
+
+
+def _unfolded(p: KernelParams) -> KernelParams:
+    """``p`` with the per-token inputs its ``prologue`` left to the statistics pass made by the
+    prologue's own kernel (for a path that cannot fold them)."""
+    from . import triton_fused  # lazily: it imports Triton
+
+    coef, ignore_index, v_total, vocab_start, v_local = p.prologue
+    valid, coefs, local = triton_fused.TritonFused.prologue(
+        p.labels.contiguous(), None, coef, 1.0, ignore_index, v_total, vocab_start, v_local)
+    return dataclasses.replace(p, valid=valid, coef=coefs, local_labels=local, prologue=None)
+
+
 def stats(hidden: Tensor, weight: Tensor, p: KernelParams,
           floor: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(logprob, entropy, logz, label_is_argmax)`` through the op, differentiable in ``hidden``
@@ -203,8 +223,9 @@ def stats(hidden: Tensor, weight: Tensor, p: KernelParams,
         impl = _backend(p.backend, hidden.device)
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
             return _OneRank.apply(hidden, weight, p, impl)
-        return impl.stats(hidden, weight, p.coef, p.local_labels, p.valid, p.chunk_size, None,
-                          invariant(p.backend))[:4]
+        return _one_rank(hidden, weight, p, impl)[:4]
+    if p.prologue is not None:  # _prepare folds only where the branch above runs; made all the same
+        p = _unfolded(p)
     args = (hidden, weight, p.local_labels, p.valid, p.coef, p.vocab_start, group_name(p.group),
             p.sequence_parallel, p.chunk_size, p.backend, p.weight_grad_accumulator,
             p.dummy_weight_grad, None, torch.compiler.is_compiling())

@@ -6,7 +6,10 @@ token chunks would make the host's work grow with V / H or N: 652 launches a cal
 before, longer on the host than on the GPU below 2048 tokens; ``benchmarks/bench_sweep.py``).
 
 Prologue (:meth:`TritonFused.prologue`): the labels' validity, the logits' coefficients
-``logit_scale / temperature`` and this rank's label rows, one launch.
+``logit_scale / temperature`` and this rank's label rows, one launch. The log-prob pass on one
+rank with a float temperature folds it into its own launches instead
+(:meth:`TritonFused.stats_with_prologue`: the statistics kernel takes the coefficient as a
+scalar, the merge forms the rest).
 
 Forward (``stats``, ``local_stats``): one launch of the statistics kernel, its programs in groups
 of 2048 tokens x vocab splits. Each program computes a ``[BLOCK_N, BLOCK_V]`` logits tile with
@@ -310,9 +313,10 @@ class TritonFused(TritonRows, Backend):
                 BLOCK=_MERGE_BLOCK, BLOCK_H=_LABEL_BLOCK_H, num_warps=4)
         return LocalStats(stats[0], stats[1], stats[2], t)
 
-    def _segment_stats(self, x, weight, coef) -> torch.Tensor:
+    def _segment_stats(self, x, weight, coef, coef_scalar=None) -> torch.Tensor:
         """``[3, segments, N]`` float32 statistics of each vocabulary segment: the statistics
-        kernel, one launch (contiguous operands)."""
+        kernel, one launch (contiguous operands); ``coef_scalar``: every token's coefficient,
+        instead of the ``coef`` tensor (None)."""
         n, h = x.shape
         v = weight.shape[0]
         tile = self.tiles.fwd
@@ -331,10 +335,12 @@ class TritonFused(TritonRows, Backend):
         segs_per_split = cdiv(segments, min(segments, want))
         splits = cdiv(segments, segs_per_split)
         xa, wa, tma = _operands(x, weight, tile, self.tiles.tma)
+        scalar = coef_scalar is not None
         _stats_fwd_kernel[(row_blocks * splits,)](
-            xa, wa, coef, parts[0], parts[1], parts[2], n, v, h, x.stride(0), weight.stride(0), n,
-            seg_tiles, segments, segs_per_split, splits, group,
-            EVEN_K=h % tile.block_k == 0, USE_TMA=tma, **tile.launch(),
+            xa, wa, parts if scalar else coef, parts[0], parts[1], parts[2], n, v, h, x.stride(0),
+            weight.stride(0), n, seg_tiles, segments, segs_per_split, splits, group,
+            coef_scalar if scalar else 0.0,
+            EVEN_K=h % tile.block_k == 0, USE_TMA=tma, SCALAR_COEF=scalar, **tile.launch(),
         )
         return parts
 
@@ -342,17 +348,42 @@ class TritonFused(TritonRows, Backend):
         if group is not None:  # the shards' statistics combined over the group: in torch
             return super().stats(x, weight, coef, local_label, valid, chunk_size, group, ordered)
         x, weight, coef, local_label = _operands_contiguous(x, weight, coef, local_label)
-        parts = self._segment_stats(x, weight, coef)
+        return self._finished(x, weight, self._segment_stats(x, weight, coef), coef, local_label,
+                              valid)
+
+    def stats_with_prologue(self, x, weight, labels, prologue):
+        """:meth:`stats` on one rank with the prologue's work folded into its launches, for a
+        scalar coefficient: ``prologue`` is ``(coef, ignore_index, v_total, vocab_start,
+        v_local)`` (:attr:`~.options.KernelParams.prologue`), ``labels`` the global ids. The
+        statistics kernel takes the coefficient as a scalar and the merge forms each token's
+        validity, coefficient and local row as the prologue's kernel does (a launch less).
+        Returns :meth:`stats`'s six and ``(valid, coef, local labels)``."""
+        coef_scalar = prologue[0]
+        x, weight, labels = _operands_contiguous(x, weight, labels)
+        n = x.shape[0]
+        valid = torch.empty(n, dtype=torch.bool, device=x.device)
+        coef = torch.empty(n, dtype=torch.float32, device=x.device)
+        local = torch.empty(n, dtype=torch.long, device=x.device)
+        out = self._finished(x, weight, self._segment_stats(x, weight, None, coef_scalar), coef,
+                             local, valid, labels, prologue)
+        return out + (valid, coef, local)
+
+    def _finished(self, x, weight, parts, coef, local_label, valid, labels=None, prologue=None):
+        """One rank's statistics from the segments' (:meth:`stats`), in one launch; with
+        ``prologue``, ``coef``, ``local_label`` and ``valid`` are written, from ``labels``."""
         n = x.shape[0]
         # apart, not rows of one buffer: they are the op's outputs, which may not alias
         out = [torch.empty(n, dtype=torch.float32, device=x.device) for _ in range(5)]
         best = torch.empty(n, dtype=torch.bool, device=x.device)
         if n:  # one rank: the merge finishes them (as Backend.stats would, in one launch)
+            folded = prologue is not None
+            consts = prologue if folded else (0.0, 0, 0, 0, 0)
             _merge_final_kernel[(cdiv(n, _MERGE_BLOCK),)](
                 parts[0], parts[1], parts[2], x, weight, coef, local_label, valid, out[0], out[1],
                 out[2], best, out[3], out[4], n, parts.shape[1], x.shape[1], x.stride(0),
-                weight.stride(0), BLOCK=_MERGE_BLOCK, BLOCK_H=_LABEL_BLOCK_H,
-                PRECISE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4)
+                weight.stride(0), labels if folded else local_label, consts[1], consts[2],
+                consts[3], consts[4], consts[0], BLOCK=_MERGE_BLOCK, BLOCK_H=_LABEL_BLOCK_H,
+                PRECISE=os.environ.get("TRITON_INTERPRET") != "1", PROLOGUE=folded, num_warps=4)
         return out[0], out[1], out[2], best, out[3], out[4]
 
     @staticmethod

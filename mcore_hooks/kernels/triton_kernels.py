@@ -49,8 +49,9 @@ if triton is not None:
     def _stats_fwd_kernel(
         X, W, COEF, M, S, A,
         N, V, H, stride_x, stride_w, stride_p, seg_tiles, segments, segs_per_split, splits, group,
+        coef_scalar,
         BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        USE_TMA: tl.constexpr,
+        USE_TMA: tl.constexpr, SCALAR_COEF: tl.constexpr,
     ):
         # Programs in groups of `group` row blocks x `splits`, split index fastest: the programs
         # running together (about one group fills the GPU) share a few row blocks (their X stays
@@ -63,7 +64,10 @@ if triton is not None:
         pid_s = pid % splits
         rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
-        coef = tl.load(COEF + rows, mask=rmask, other=1.0)
+        if SCALAR_COEF:  # one coefficient for every token (a float temperature; the prologue's value)
+            coef = coef_scalar + tl.zeros([BLOCK_N], dtype=tl.float32)
+        else:
+            coef = tl.load(COEF + rows, mask=rmask, other=1.0)
         vtiles = tl.cdiv(V, BLOCK_V)
         # A split walks whole segments and stores each one's statistics apart (segment i of
         # token r at i * stride_p + r): a token's arithmetic is fixed by the segments (the
@@ -136,9 +140,16 @@ if triton is not None:
     @triton.jit
     def _label_logits(X, W, COEF, LABEL, rows, mask, H, stride_x, stride_w, BLOCK_H: tl.constexpr):
         """``coef * x[row] . W[label]`` in fp32 for a block of tokens (0 where the label is not
-        this shard's): each token's products added lane by lane over the hidden size, then
-        across the lanes, in one order whatever its place in the block or the call's size."""
-        label = tl.load(LABEL + rows, mask=mask, other=-1)
+        this shard's), ``coef`` and the label read from memory (:func:`_label_logit_values`)."""
+        return _label_logit_values(X, W, tl.load(COEF + rows, mask=mask, other=1.0),
+                                   tl.load(LABEL + rows, mask=mask, other=-1), rows, mask, H,
+                                   stride_x, stride_w, BLOCK_H)
+
+    @triton.jit
+    def _label_logit_values(X, W, coef, label, rows, mask, H, stride_x, stride_w, BLOCK_H: tl.constexpr):
+        """``coef * x[row] . W[label]`` in fp32 for a block of tokens (0 where the label is -1):
+        each token's products added lane by lane over the hidden size, then across the lanes,
+        in one order whatever its place in the block or the call's size."""
         owned = mask & (label >= 0)
         x_row = X + rows.to(tl.int64)[:, None] * stride_x
         w_row = W + tl.where(owned, label, 0).to(tl.int64)[:, None] * stride_w
@@ -149,7 +160,7 @@ if triton is not None:
             x = tl.load(x_row + offs[None, :], mask=m2, other=0.0)
             w = tl.load(w_row + offs[None, :], mask=m2, other=0.0)
             acc += x.to(tl.float32) * w.to(tl.float32)
-        return tl.sum(acc, axis=1) * tl.load(COEF + rows, mask=mask, other=1.0)
+        return tl.sum(acc, axis=1) * coef
 
     @triton.jit
     def _merge_segments_kernel(M, S, A, X, W, COEF, LABEL, OM, OS, OA, OT, N, segments, H, stride_x,
@@ -167,12 +178,19 @@ if triton is not None:
 
     @triton.jit
     def _merge_final_kernel(M, S, A, X, W, COEF, LABEL, VALID, LP, ENT, LOGZ, BEST, OM, OLOGS, N,
-                            segments, H, stride_x, stride_w, BLOCK: tl.constexpr,
-                            BLOCK_H: tl.constexpr, PRECISE: tl.constexpr):
+                            segments, H, stride_x, stride_w, GLOBAL, ignore_index, v_total,
+                            vocab_start, v_local, coef_scalar, BLOCK: tl.constexpr,
+                            BLOCK_H: tl.constexpr, PRECISE: tl.constexpr, PROLOGUE: tl.constexpr):
         """The whole vocabulary's statistics (one rank), finished as ``autograd.combine`` and
         the statistics op finish them over a group: log-prob and entropy (0 where ignored),
         log Z, whether the label is the row's maximum (``autograd.label_is_row_max``), and the
-        max and log s the backward takes; the label's logit formed here (no launch of its own)."""
+        max and log s the backward takes; the label's logit formed here (no launch of its own).
+
+        ``PROLOGUE``: the prologue's work too (no launch of its own): from the global labels
+        ``GLOBAL`` and the scalar coefficient, each token's validity, coefficient and local row
+        stored to ``VALID``, ``COEF`` and ``LABEL`` as ``_prologue_kernel`` stores them (the
+        statistics kernel took the scalar). A label outside the vocabulary makes every result
+        of its token NaN, as the prologue's NaN coefficient does in the statistics kernel."""
         cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < N
         m, s, a = _merged(M, S, A, cols, mask, N, segments)
@@ -182,8 +200,23 @@ if triton is not None:
         else:
             log_s = tl.log(s)
         ent = log_s - tl.math.div_rn(a, s)
-        t = _label_logits(X, W, COEF, LABEL, cols, mask, H, stride_x, stride_w, BLOCK_H)
-        valid = tl.load(VALID + cols, mask=mask, other=0) != 0
+        if PROLOGUE:
+            y = tl.load(GLOBAL + cols, mask=mask, other=0).to(tl.int64)
+            valid = y != ignore_index
+            bad = valid & ((y < 0) | (y >= v_total))
+            local = y - vocab_start
+            label = tl.where(valid & (local >= 0) & (local < v_local), local, -1)
+            coef = tl.where(bad, float("nan"), coef_scalar + tl.zeros([BLOCK], dtype=tl.float32))
+            tl.store(VALID + cols, valid, mask=mask)
+            tl.store(COEF + cols, coef, mask=mask)
+            tl.store(LABEL + cols, label, mask=mask)
+            m = tl.where(bad, float("nan"), m)
+            log_s = tl.where(bad, float("nan"), log_s)
+            ent = tl.where(bad, float("nan"), ent)
+            t = _label_logit_values(X, W, coef, label, cols, mask, H, stride_x, stride_w, BLOCK_H)
+        else:
+            t = _label_logits(X, W, COEF, LABEL, cols, mask, H, stride_x, stride_w, BLOCK_H)
+            valid = tl.load(VALID + cols, mask=mask, other=0) != 0
         best = t >= m - tl.maximum(tl.abs(m), 1.0) * 9.5367431640625e-07  # 2**-20
         tl.store(LP + cols, tl.where(valid, (t - m) - log_s, 0.0), mask=mask)
         tl.store(ENT + cols, tl.where(valid, ent, 0.0), mask=mask)
