@@ -508,6 +508,7 @@ def timeline(shape, calls: int = 300) -> None:
     try:  # each patch undone in the finally, whichever came before a failure
         for owner, name, label in ((K, "_prepare", "prepare"), (stats_op, "stats", "stats_op"),
                                    (triton_fused.TritonFused, "stats", "fused.stats"),
+                                   (triton_fused.TritonFused, "stats_with_prologue", "fused.stats"),
                                    (triton_fused.TritonFused, "grads", "grads"),
                                    (triton_fused.TritonFused, "_hidden_grad", "dx")):
             restore.append(wrap(owner, name, label))

@@ -371,7 +371,8 @@ def test_the_one_rank_eager_function_is_the_op(case, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["gradients", "no grad", "labels outside the vocabulary",
-                                  "logit scale", "ignored only"])
+                                  "logit scale", "ignored only", "int temperature",
+                                  "vocab start"])
 def test_the_prologue_folded_into_the_statistics_pass_is_the_prologue(case, monkeypatch):
     """The log-prob pass with its per-token inputs formed by the statistics kernel (a scalar
     coefficient) and its merge (validity, coefficient, local rows), instead of the prologue's
@@ -407,8 +408,10 @@ def test_the_prologue_folded_into_the_statistics_pass_is_the_prologue(case, monk
         xr = x.clone().requires_grad_(case != "no grad")
         wr = w.clone().requires_grad_(case != "no grad")
         with debug_checks(False):
-            r = linear_logprob_entropy(xr, wr, labels, temperature=0.7, backend="triton",
-                                       logit_scale=0.37 if case == "logit scale" else 1.0)
+            r = linear_logprob_entropy(
+                xr, wr, labels, temperature=2 if case == "int temperature" else 0.7,
+                backend="triton", logit_scale=0.37 if case == "logit scale" else 1.0,
+                parallel=VocabParallel(vocab_start=40 if case == "vocab start" else 0))
         if case != "no grad":
             (r.logprob @ g1 + r.entropy @ g2).backward()
         return [r.logprob, r.entropy, r.logz, r.label_is_argmax, xr.grad, wr.grad]
@@ -420,9 +423,13 @@ def test_the_prologue_folded_into_the_statistics_pass_is_the_prologue(case, monk
         if a is not None:
             assert torch.equal(a.isnan(), b.isnan())
             assert torch.equal(a.nan_to_num(), b.nan_to_num())
-    if case == "labels outside the vocabulary":
-        assert folded[0][[3, 5]].isnan().all() and folded[1][[3, 5]].isnan().all()
-        assert not folded[0][[0, 1, 2, 4]].isnan().any()
+    if case == "labels outside the vocabulary":  # NaN at those tokens alone, never a number
+        bad = torch.zeros(n, dtype=torch.bool, device=labels.device)
+        bad[[3, 5]] = True
+        for t in (folded[0], folded[1], folded[2], folded[4]):
+            nan = t.isnan() if t.dim() == 1 else t.isnan().any(dim=1)
+            assert torch.equal(nan, bad)
+        assert not folded[3][bad].any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -933,6 +940,8 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
     flags = dict(EVEN_K=True, USE_TMA=False)
     return [
         _compiled_shared_memory(triton_kernels._stats_fwd_kernel, fwd, dict(flags, SCALAR_COEF=False),
+                                capability, tiles.fwd),
+        _compiled_shared_memory(triton_kernels._stats_fwd_kernel, fwd, dict(flags, SCALAR_COEF=True),
                                 capability, tiles.fwd),
         _compiled_shared_memory(triton_kernels._dlogits_kernel, bwd,
                                 dict(flags, GROUP=triton_fused._DZ_GROUP, HAS_G1=True, HAS_G2=True),

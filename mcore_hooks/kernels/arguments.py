@@ -91,8 +91,10 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
              batch_invariant: bool = True, fold_prologue: bool = False) -> KernelParams:
     """Check the arguments (errors name the argument) and put them in the kernels' form.
     ``fold_prologue``: the caller reads the params only through :func:`~.stats_op.stats`, so
-    where the prologue's launch would run, on one rank, with the Triton backend and a float
-    temperature, it is left to the statistics pass (:attr:`KernelParams.prologue`)."""
+    on one rank, with the Triton backend, a float temperature, values unchecked and nothing
+    traced, the per-token inputs are left to the statistics pass (:attr:`KernelParams.prologue`;
+    on a GPU, where the prologue's kernel would make them, and under Triton's interpreter, where
+    its torch form would)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
     for name, t in (("hidden", hidden), ("weight", weight)):
