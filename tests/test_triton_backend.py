@@ -379,7 +379,7 @@ def test_the_prologue_folded_into_the_statistics_pass_is_the_prologue(case, monk
     own launch: the same results, flags and gradients, bit for bit; NaN at a label outside the
     vocabulary either way (values unchecked, as on CUDA)."""
     import mcore_hooks.kernels as K
-    from mcore_hooks.debug import debug_checks
+    from mcore_hooks.kernels.debug import debug_checks
 
     dtype = DTYPES[0]
     n, h, v = (700, 256, 5003) if ON_GPU else (70, 32, 300)
