@@ -143,6 +143,7 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
 
     dev = hidden.device
     vocab_start, v_local = int(parallel.vocab_start), weight.shape[0]
+    folded = None  # the prologue's inputs where the statistics pass makes what it would
     if labels is None:
         gl = torch.full((n,), -1, dtype=torch.long, device=dev)
         valid = torch.ones(n, dtype=torch.bool, device=dev)
@@ -154,7 +155,6 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
         if labels.shape != (n,):
             raise ValueError(f"labels: expected shape ({n},) (one per token), got {tuple(labels.shape)}")
         gl = labels.to(device=dev, dtype=torch.long)
-        folded = None
         if fold_prologue and tp == 1 and backend_impl == "triton" and not tracing() \
                 and _prologue_runs(gl) and not isinstance(temperature, torch.Tensor):
             folded = (float(logit_scale) / _scalar_temperature(temperature), ignore_index, v_total,
@@ -199,8 +199,7 @@ def _prepare(hidden, weight, labels, temperature, logit_scale, ignore_index, par
     if batch_invariant:
         backend_impl += "+invariant"
     return KernelParams(gl, valid, coef, vocab_start, group, sp, chunk_size, backend_impl,
-                        accumulator, dummy_weight_grad, upstream_grad, local,
-                        folded if labels is not None else None)
+                        accumulator, dummy_weight_grad, upstream_grad, local, folded)
 
 
 def _prologue(labels: torch.Tensor, temperature: Any, logit_scale: float, ignore_index: int, n: int,
