@@ -311,6 +311,19 @@ def test_triton_adds_the_weight_gradient_into_an_accumulator(dtype, chunked, mon
     assert rel(acc - 1, dw) < GRAD_TOL[dtype] / 8
 
 
+def _eager_call_inputs(seed: int):
+    """``(x, w, labels, g1, g2)`` of the eager-path tests: every seventh label ignored, the
+    labels on the CPU (to be edited, then moved), the upstream gradients on ``DEVICE``."""
+    n, h, v = (700, 256, 5003) if ON_GPU else (70, 32, 300)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=g).to(DEVICE, DTYPES[0])
+    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, DTYPES[0])
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[::7] = -100
+    g1, g2 = (torch.randn(n, generator=g).to(DEVICE) for _ in range(2))
+    return x, w, labels, g1, g2
+
+
 @pytest.mark.parametrize("case", ["plain", "entropy only", "log-prob only", "weight only",
                                   "hidden only", "main_grad", "main_grad placeholder", "no grad",
                                   "retained graph", "compiled autograd"])
@@ -323,15 +336,9 @@ def test_the_one_rank_eager_function_is_the_op(case, monkeypatch):
     branch's own test of whether the call is traced."""
     from mcore_hooks.kernels import stats_op
 
-    dtype = DTYPES[0]
-    n, h, v = (700, 256, 5003) if ON_GPU else (70, 32, 300)
-    g = torch.Generator().manual_seed(21)
-    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
-    labels = torch.randint(0, v, (n,), generator=g)
-    labels[::7] = -100
+    x, w, labels, g1, g2 = _eager_call_inputs(21)
+    v, h = w.shape
     labels = labels.to(DEVICE)
-    g1, g2 = (torch.randn(n, generator=g).to(DEVICE) for _ in range(2))
 
     def run():
         xr = x.clone().requires_grad_(case not in ("weight only", "no grad"))
@@ -381,20 +388,14 @@ def test_the_prologue_folded_into_the_statistics_pass_is_the_prologue(case, monk
     import mcore_hooks.kernels as K
     from mcore_hooks.kernels.debug import debug_checks
 
-    dtype = DTYPES[0]
-    n, h, v = (700, 256, 5003) if ON_GPU else (70, 32, 300)
-    g = torch.Generator().manual_seed(23)
-    x = torch.randn(n, h, generator=g).to(DEVICE, dtype)
-    w = (torch.randn(v, h, generator=g) / math.sqrt(h)).to(DEVICE, dtype)
-    labels = torch.randint(0, v, (n,), generator=g)
-    labels[::7] = -100
+    x, w, labels, g1, g2 = _eager_call_inputs(23)
+    n, v = x.shape[0], w.shape[0]
     labels[1], labels[2] = 0, v - 1
     if case == "labels outside the vocabulary":
         labels[3], labels[5] = v, -3
     if case == "ignored only":
         labels[:] = -100
     labels = labels.to(DEVICE)
-    g1, g2 = (torch.randn(n, generator=g).to(DEVICE) for _ in range(2))
     seen = []
     real = K._prepare
 
