@@ -2,13 +2,15 @@
 beside the stock logits path and Liger, over real model shapes, on one GPU.
 
     python benchmarks/bench_sweep.py [--hidden 896 ...] [--tokens 256 ...] [--vocab 151936 ...]
-                                     [--section entry hook] [--json out.json]
+                                     [--section entry hook] [--rounds 5] [--json out.json]
 
 For each shape (tokens x hidden x vocab, bf16) and path, forward+backward (gradients to the
 hidden states and the output weight), it reports:
 
 * ``wall``: median ms of back-to-back calls (Triton's ``do_bench``, CUDA events around them): the
-  GPU time where the GPU is the bottleneck, the host's where the host is;
+  GPU time where the GPU is the bottleneck, the host's where the host is; with ``--rounds R``,
+  the median of R such timings, a cell's paths taking turns, and each ratio to stock the median
+  of the rounds' ratios (``wall_rounds`` keeps them);
 * ``gpu``: ms of device work in one call (the sum of its kernels' durations, CUPTI through
   ``torch.profiler``: no gaps);
 * ``host``: ms the host takes to issue one call, forward and backward (``time.perf_counter``
@@ -68,7 +70,6 @@ def measure(step: Callable[[], None], grads: list) -> dict:
     """One path: wall, gpu, host, launches, mem (see the module docstring). Calls longer than
     20 ms take 3 host samples and the median of 5 timed calls for wall (the host's share is
     nothing there); shorter ones 7 host samples and ``do_bench``."""
-    import triton.testing
 
     def run():
         for t in grads:
@@ -113,17 +114,7 @@ def measure(step: Callable[[], None], grads: list) -> dict:
                 run()
             b2b.append((time.perf_counter() - t0) * 1e3 / calls)
         torch.cuda.synchronize()
-        if long:
-            walls = []
-            for _ in range(5):
-                start.record()
-                run()
-                end.record()
-                torch.cuda.synchronize()
-                walls.append(start.elapsed_time(end))
-            wall = statistics.median(walls)
-        else:
-            wall = triton.testing.do_bench(run, warmup=20, rep=120, return_mode="median")
+        wall = _wall(run, long)
     except torch.OutOfMemoryError:
         for t in grads:
             t.grad = None
@@ -132,7 +123,61 @@ def measure(step: Callable[[], None], grads: list) -> dict:
     for t in grads:
         t.grad = None
     return {"wall": wall, "gpu": gpu, "host": statistics.median(hosts), "host_b2b": min(b2b),
-            "launches": launches, "mem": mem}
+            "launches": launches, "mem": mem, "long": long}
+
+
+def _wall(run: Callable[[], None], long: bool) -> float:
+    """Median ms of back-to-back calls: ``do_bench``'s, or for a long call 5 timed one by one."""
+    import triton.testing
+
+    if not long:
+        return triton.testing.do_bench(run, warmup=20, rep=120, return_mode="median")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    walls = []
+    for _ in range(5):
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        walls.append(start.elapsed_time(end))
+    return statistics.median(walls)
+
+
+def measure_cell(steps: dict[str, tuple[Callable[[], None], list]], rounds: int) -> dict[str, dict]:
+    """Every path of one cell: :func:`measure` once each, then with ``rounds`` > 1 the wall again
+    ``rounds - 1`` times, the paths taking turns (each round starting one path later), so that
+    a path and its stock path are timed minutes apart at most, never a whole sweep apart: the
+    host-bound cells' walls move by up to half between runs, and a sweep run path by path puts
+    that drift into the ratios. Each row keeps its rounds' walls (``wall_rounds``) and ``wall``
+    becomes their median; :func:`ratio` takes the median of the per-round ratios."""
+    rows = {name: measure(step, grads) for name, (step, grads) in steps.items()}
+    names = [n for n in steps if not rows[n].get("oom")]
+    for n in names:
+        rows[n]["wall_rounds"] = [rows[n]["wall"]]
+    for r in range(1, rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            step, grads = steps[n]
+
+            def run(step=step, grads=grads):
+                for t in grads:
+                    t.grad = None
+                step()
+
+            rows[n]["wall_rounds"].append(_wall(run, rows[n]["long"]))
+        for t in {id(t): t for _, g in steps.values() for t in g}.values():
+            t.grad = None
+    for n in names:
+        rows[n]["wall"] = statistics.median(rows[n]["wall_rounds"])
+    return rows
+
+
+def ratio(r: dict, stock: dict) -> float:
+    """A path's wall over its stock path's: the median of the rounds' ratios where both were
+    timed in the same rounds (:func:`measure_cell`), else of the walls."""
+    a, b = r.get("wall_rounds"), stock.get("wall_rounds")
+    if a and b and len(a) == len(b) and len(a) > 1:
+        return statistics.median(x / y for x, y in zip(a, b))
+    return r["wall"] / stock["wall"]
 
 
 # --------------------------------------------------------------------------- the entry points
@@ -238,7 +283,7 @@ def _liger():
     return LigerFusedLinearCrossEntropyLoss(reduction="sum")
 
 
-def run_entry(hidden, tokens, vocab, only=None) -> list[dict]:
+def run_entry(hidden, tokens, vocab, only=None, rounds: int = 1) -> list[dict]:
     rows = []
     liger = _liger()
     for v in vocab:
@@ -249,10 +294,9 @@ def run_entry(hidden, tokens, vocab, only=None) -> list[dict]:
             for n in tokens:
                 x = torch.randn(n, h, device="cuda", generator=g).bfloat16().requires_grad_()
                 y = torch.randint(0, v, (n,), device="cuda", generator=g)
-                for name, step in entry_paths(x, w, y, main_grad, liger).items():
-                    if only and name not in only:
-                        continue
-                    r = measure(step, [x, w])
+                steps = {name: (step, [x, w]) for name, step in entry_paths(x, w, y, main_grad, liger).items()
+                         if not only or name in only}
+                for name, r in measure_cell(steps, rounds).items():
                     rows.append(dict(section="entry", path=name, tokens=n, hidden=h, vocab=v, **r))
                     print(json.dumps(rows[-1]), flush=True)
                 del x, y
@@ -354,13 +398,14 @@ def _scalar(out) -> torch.Tensor:
     return out.log_probs.sum() + (out.entropy.sum() if getattr(out, "entropy", None) is not None else 0)
 
 
-def run_hook(hidden, tokens, vocab) -> list[dict]:
+def run_hook(hidden, tokens, vocab, rounds: int = 1) -> list[dict]:
     rows = []
     processors = hook_processors()
     for v in vocab:
         for h in hidden:
             model, seen = _hook_keywords(h, v)
             for n in tokens:
+                steps = {}
                 for main_grad in (False, True):
                     kw, grads = _with_tokens(seen, n, h, v, main_grad)
                     for name, proc in processors.items():
@@ -371,10 +416,10 @@ def run_hook(hidden, tokens, vocab) -> list[dict]:
                         def step(proc=proc, args=args):
                             _scalar(proc(**args)).backward()
 
-                        r = measure(step, grads)
-                        rows.append(dict(section="hook", path=name + (" main_grad" if main_grad else ""),
-                                         tokens=n, hidden=h, vocab=v, **r))
-                        print(json.dumps(rows[-1]), flush=True)
+                        steps[name + (" main_grad" if main_grad else "")] = (step, grads)
+                for name, r in measure_cell(steps, rounds).items():
+                    rows.append(dict(section="hook", path=name, tokens=n, hidden=h, vocab=v, **r))
+                    print(json.dumps(rows[-1]), flush=True)
             del model, seen
             torch.cuda.empty_cache()
     return rows
@@ -395,8 +440,8 @@ def table(rows: list[dict], section: str) -> str:
             out.append(f"| {n} | {h} | {v} | {path} | OOM | | | | | | |")
             continue
         s = by.get((n, h, v, stock_of.get(path, "")))
-        ratio = "" if s is None or s.get("oom") else f"{r['wall'] / s['wall']:.2f}"
-        out.append(f"| {n} | {h} | {v} | {path} | {r['wall']:.2f} | {ratio} | {r['gpu']:.2f} | "
+        ratio_ = "" if s is None or s.get("oom") else f"{ratio(r, s):.2f}"
+        out.append(f"| {n} | {h} | {v} | {path} | {r['wall']:.2f} | {ratio_} | {r['gpu']:.2f} | "
                    f"{r['host']:.2f} | {r.get('host_b2b', float('nan')):.2f} | {r['launches']} | {r['mem']:.0f} |")
     return "\n".join(out)
 
@@ -480,8 +525,8 @@ def summary(rows: list[dict]) -> str:
                     continue
                 if STOCK_OF[p] != "stock_ce":
                     shost = max(shost, s_.get("host_b2b", s_["host"]))
-                ratio = r["wall"] / s_["wall"]
-                cells.append(f"{ratio:.2f}{'*' if ratio > BAR.get(p, 99) else ''}")
+                x = ratio(r, s_)
+                cells.append(f"{x:.2f}{'*' if x > BAR.get(p, 99) else ''}")
             lo, hi = (min(launches), max(launches)) if launches else (None, None)
             span = "" if lo is None else f"{lo}-{hi}" if lo < hi else f"{lo}"
             out.append(f"| {n} | {h} | " + " | ".join(cells) + f" | {span} | {host:.2f} | {shost:.2f} |")
@@ -506,6 +551,9 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, nargs="+", default=VOCAB)
     ap.add_argument("--section", nargs="+", default=["entry", "hook"], choices=["entry", "hook"])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time each cell's walls this many times, its paths taking turns; ratios "
+                         "are the medians of the rounds' (host-bound cells drift between runs)")
     ap.add_argument("--paths", nargs="+", default=None, help="entry paths to run (default: all)")
     ap.add_argument("--route", default="auto", choices=["auto", "forward", "backward"],
                     help="where the fused losses form their gradients on Triton: as the hidden "
@@ -535,9 +583,9 @@ def main() -> int:
         return 0
     with quiet_megatron(), model_parallel(tp=1):
         if "entry" in args.section:
-            rows += run_entry(args.hidden, args.tokens, args.vocab, args.paths)
+            rows += run_entry(args.hidden, args.tokens, args.vocab, args.paths, args.rounds)
         if "hook" in args.section:
-            rows += run_hook(args.hidden, args.tokens, args.vocab)
+            rows += run_hook(args.hidden, args.tokens, args.vocab, args.rounds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f)
