@@ -433,6 +433,75 @@ def test_the_prologue_folded_into_the_statistics_pass_is_the_prologue(case, monk
         assert not folded[3][bad].any()
 
 
+@pytest.mark.parametrize("case", ["policy", "cross entropy", "entropy bonus", "weight only",
+                                  "hidden only", "main_grad", "main_grad placeholder", "chunks",
+                                  "retained graph", "compiled autograd", "double backward",
+                                  "declared upstream"])
+def test_the_one_rank_fused_loss_function_is_the_op(case, monkeypatch):
+    """On one rank, eager, a fused loss with its gradients formed in the forward runs under its
+    own autograd Function (``loss_op._OneRankLoss``) instead of the op's generic eager Function
+    (``dispatch._Eager``): the same loss, per-token values and gradients, bit for bit, for the
+    policy loss and the NLL, an input without a gradient, main_grad (the kept logit gradient
+    or a float32 dW added in the backward), several chunks, a second backward, a backward
+    traced by compiled autograd, and a double backward refused by both; a declared upstream
+    gradient keeps its own Function in both. The generic path is forced by the branch's own
+    test."""
+    from mcore_hooks.kernels import PolicyLoss, linear_policy_loss, loss_op
+
+    x, w, labels, g1, _ = _eager_call_inputs(25)
+    v, h = w.shape
+    n = x.shape[0]
+    labels = labels.to(DEVICE)
+    cfg = PolicyLoss(clip_high=0.28, dual_clip=3.0, entropy_coef=0.01 if case == "entropy bonus" else 0.0)
+    inputs = {"old_logprobs": -g1.abs(), "advantages": torch.linspace(-1, 1, n, device=DEVICE)}
+    tw = torch.full((n,), 1.0 / n, device=DEVICE)
+
+    def run():
+        xr = x.clone().requires_grad_(case != "weight only")
+        wr = w.clone().requires_grad_(case != "hidden only")
+        acc = torch.ones(v, h, device=DEVICE) if case.startswith("main_grad") or case == "declared upstream" else None
+        kw = dict(temperature=0.8, backend="triton", weight_grad_accumulator=acc,
+                  placeholder_weight_grad=case == "main_grad placeholder",
+                  chunk_size=n // 3 if case == "chunks" else None)
+        if case == "declared upstream":
+            kw["upstream_grad"] = 1.0
+        if case == "cross entropy":
+            loss, out = linear_cross_entropy(xr, wr, labels, **kw), []
+        else:
+            r = linear_policy_loss(xr, wr, labels, token_weight=tw, loss=cfg, inputs=inputs, **kw)
+            loss, out = r.loss, [r.logprob, r.entropy]
+        node = type(loss.grad_fn).__name__
+        if case == "compiled autograd":
+            from torch._dynamo import compiled_autograd
+
+            with compiled_autograd._enable(torch.compile(backend="eager")):
+                loss.backward()
+        elif case == "double backward":
+            gx, = torch.autograd.grad(loss, xr, create_graph=True)
+            with pytest.raises(RuntimeError, match="cannot be differentiated again"):
+                torch.autograd.grad(gx.float().square().sum(), xr)
+            return [loss.detach(), gx.detach()], node
+        else:
+            loss.backward(retain_graph=case == "retained graph")
+            if case == "retained graph":
+                loss.backward()
+        return [loss.detach()] + out + [xr.grad, wr.grad, acc], node
+
+    ours, node = run()
+    monkeypatch.setattr(loss_op, "_eager_one_rank", lambda p: False)  # the generic eager Function
+    theirs, their_node = run()
+    expected = ("_FusedIntoAccumulatorBackward",) * 2 if case == "declared upstream" else \
+        ("_OneRankLossBackward", "_EagerBackward")
+    assert (node, their_node) == expected
+    for a, b in zip(ours, theirs):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.shape == b.shape and a.stride() == b.stride()
+            assert torch.equal(a, b)
+    if case == "main_grad placeholder":  # the weight's hooks ran on a zero gradient
+        assert not ours[-2].any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_backwards_vocabulary_chunks_leave_dx_the_same_bits(dtype, monkeypatch):
     """dX's sum over the vocabulary runs tile after tile in one order however the memory budget

@@ -133,12 +133,18 @@ def _fused_impl(hidden, weight, labels, valid, coef, vocab_start, group, sequenc
     p = _params(labels, valid, coef, vocab_start, group, sequence_parallel, chunk_size, backend,
                 accumulator, upstream_grad)
     x = comm.gather_tokens(hidden, p.group) if sequence_parallel else hidden
-    local_label = labels  # local rows already (KernelParams.local_labels)
-    defer = _defers_weight_grad(backend, x.shape[0], weight, chunk_size, sequence_parallel, need_w,
-                                accumulator is not None)
-    r = _backend(backend, hidden.device).fused_loss(
-        x, weight, p, local_label, _token_loss(token_weight, policy, inputs, valid), need_x, need_w,
-        defer_weight_grad=defer)
+    return _fused_outputs(x, weight, p, _backend(backend, hidden.device),
+                          _token_loss(token_weight, policy, inputs, valid), need_x, need_w)
+
+
+def _fused_outputs(x, weight, p: KernelParams, impl, token_loss: ag.TokenLoss, need_x: bool,
+                   need_w: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """:func:`fused_token_loss`'s outputs from the backend ``impl`` (``x`` all tokens; ``p``'s
+    local labels the rows; ``p.upstream_grad`` declared only with its accumulator)."""
+    defer = _defers_weight_grad(p.backend, x.shape[0], weight, p.chunk_size, p.sequence_parallel,
+                                need_w, p.upstream_grad is not None)
+    r = impl.fused_loss(x, weight, p, p.local_labels, token_loss, need_x, need_w,
+                        defer_weight_grad=defer)
     entropy = r.entropy if r.entropy is not None else torch.zeros_like(r.logprob)
     dw = r.dz if defer else r.dw
     return (r.loss.sum(), r.logprob, entropy, _nothing(x) if r.dx is None else r.dx,
@@ -200,12 +206,21 @@ def _fused_setup(ctx, inputs, output):
     # first_order adds nothing, it is detached too (no tangent made for it)
     ctx.mark_non_differentiable(logprob, entropy, dw32, *((dx32,) if inputs[-1] else ()))
     ctx.set_materialize_grads(False)
+    _keep_for_backward(ctx, hidden, inputs[1].shape, dx32, dw32, inputs[15], inputs[16], group, sp,
+                       invariant(backend))
+    ctx.num_inputs = len(inputs[12])
+
+
+def _keep_for_backward(ctx, hidden, weight_shape, dx32, dw32, accumulator, placeholder, group, sp,
+                       ordered) -> None:
+    """What :func:`_fused_grads` reads: the float32 dX (first_order's anchor), dW or the kept
+    logit gradient (with the hidden states it is formed with), where dW goes, and shapes."""
     deferred = dw32.numel() and dw32.dtype != _F32  # the logit gradient: dW formed from it
     ctx.save_for_backward(dx32, dw32, hidden if deferred else None)
     # not saved: written between this forward and its backward by design (see _stats_setup)
-    ctx.accumulator, ctx.placeholder = inputs[15], inputs[16]
-    ctx.weight_shape = inputs[1].shape
-    ctx.group, ctx.sp, ctx.ordered, ctx.num_inputs = group, sp, invariant(backend), len(inputs[12])
+    ctx.accumulator, ctx.placeholder = accumulator, placeholder
+    ctx.weight_shape = weight_shape
+    ctx.group, ctx.sp, ctx.ordered = group, sp, ordered
     ctx.hidden_shape, ctx.dtype = hidden.shape, hidden.dtype
 
 
@@ -278,6 +293,14 @@ def _(accumulator, dw, x, grad):
 
 
 def _fused_backward(ctx, grad, *_):
+    # one entry per input, a list for the list of tensors
+    return _fused_grads(ctx, grad) + (None,) * 10 + ([None] * ctx.num_inputs, None, None, None, None, None)
+
+
+def _fused_grads(ctx, grad: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """``(dX, dW)`` of a fused loss whose forward kept what :func:`_keep_for_backward` says: its
+    float32 gradients times the loss's gradient ``grad``, dW added into the accumulator where
+    there is one."""
     anchor, dw32, x = ctx.saved_tensors
     dx32 = anchor.detach()  # attached to this node where saved (see _fused_setup)
     if grad is None:
@@ -289,12 +312,36 @@ def _fused_backward(ctx, grad, *_):
             dw = guards.placeholder_grad_like(ctx.weight_shape, ctx.dtype, dw32.device)
     elif ctx.needs_input_grad[1] and dw32.numel():
         dw = _scaled(dw32, grad, ctx.dtype) if x is None else _weight_grad(dw32, x, grad)
-    dx, dw = guards.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw, anchor=anchor)
-    # one entry per input, a list for the list of tensors
-    return (dx, dw) + (None,) * 10 + ([None] * ctx.num_inputs, None, None, None, None, None)
+    return guards.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw, anchor=anchor)
 
 
 register_autograd(fused_token_loss, _fused_backward, _fused_setup)
+
+
+class _OneRankLoss(torch.autograd.Function):
+    """:func:`fused_token_loss` on one rank (no group), eager, on the Triton backend: its
+    implementation and formula (:func:`_fused_outputs`, :func:`_fused_setup`'s
+    :func:`_keep_for_backward`, :func:`_fused_grads`) without the op's layers: the 18-argument
+    generic Function, the parameters and the loss rebuilt from the op's arguments, the backend
+    looked up in it. At RL's small calls the host bounds the time, as the log-prob pass's
+    (:class:`~.stats_op._OneRank`). ``test_the_one_rank_fused_loss_function_is_the_op`` holds
+    the two to the same bits."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, p: KernelParams, impl, token_loss: ag.TokenLoss, need_x: bool,
+                need_w: bool):
+        loss, logprob, entropy, dx32, dw32 = _fused_outputs(hidden, weight, p, impl, token_loss,
+                                                            need_x, need_w)
+        # as _fused_setup's, eager: dX's float32 rows stay attached, first_order's anchor
+        ctx.mark_non_differentiable(logprob, entropy, dw32)
+        ctx.set_materialize_grads(False)
+        _keep_for_backward(ctx, hidden, weight.shape, dx32, dw32, p.weight_grad_accumulator,
+                           p.dummy_weight_grad, None, False, p.batch_invariant)
+        return loss, logprob, entropy, dx32, dw32
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        return _fused_grads(ctx, grad) + (None,) * 5
 
 
 @custom_op("mcore_hooks::fused_token_loss_into_", mutates_args=("accumulator",))
@@ -353,11 +400,18 @@ class _FusedIntoAccumulator(torch.autograd.Function):
         return guards.first_order(_FUSED_NAME, _hidden_grad(ctx, dx32, grad), dw, anchor=anchor) + (None, None)
 
 
+def _eager_one_rank(p: KernelParams) -> bool:
+    """Whether :class:`_OneRankLoss` takes the call: one rank, the Triton backend, eager."""
+    return p.group is None and not p.sequence_parallel and p.backend.startswith("triton") and not tracing()
+
+
 def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Tensor,
                policy: Optional[PolicyLoss], inputs: list[Tensor], need_x: bool,
                need_w: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(loss, logprob, entropy)`` of the weighted NLL (``policy`` None) or a
-    :class:`PolicyLoss`, gradients formed in the forward, through the ops."""
+    :class:`PolicyLoss`, gradients formed in the forward, through the ops (eager on one rank, the
+    Triton backend's: :class:`_OneRankLoss`, the op's implementation and formula with fewer
+    layers)."""
     data = None if policy is None else policy_loss_data(policy)
     args = (p.local_labels, p.valid, p.coef, p.vocab_start, group_name(p.group), p.sequence_parallel,
             p.chunk_size, p.backend)
@@ -365,6 +419,10 @@ def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Te
         return _FusedIntoAccumulator.apply(
             hidden, weight, args + (p.weight_grad_accumulator, p.upstream_grad, token_weight, data,
                                     inputs, need_x, need_w), p.dummy_weight_grad)[:3]
+    if _eager_one_rank(p):
+        impl = _backend(p.backend, hidden.device)
+        return _OneRankLoss.apply(hidden, weight, p, impl, _token_loss(token_weight, data, inputs, p.valid),
+                              need_x, need_w)[:3]
     out = call(fused_token_loss, hidden, weight, *args, token_weight, data, inputs, need_x, need_w,
                p.weight_grad_accumulator, p.dummy_weight_grad, torch.compiler.is_compiling())
     return out[0], out[1], out[2]
