@@ -525,10 +525,13 @@ def test_the_backwards_vocabulary_chunks_leave_dx_the_same_bits(dtype, monkeypat
     alone = _run("triton", x[:9], w, labels[:9], 0.8, ones[:9], ones[:9] * 0.5)[2]
     assert torch.equal(alone, runs[0][:9])
     # and the product's two forms (a program adding its tile's segments, or a program per
-    # segment and a merge) give the same bits
-    for split in (0, 1 << 40):
-        monkeypatch.setattr(triton_fused, "_DX_SPLIT_BYTES", split)
-        assert torch.equal(_run("triton", x, w, labels, 0.8, ones, ones * 0.5)[2], runs[0])
+    # segment and a merge) give the same bits, in one chunk and carried over chunks of one
+    # segment
+    for budget in (1 << 40, n * seg * 2):
+        monkeypatch.setattr(triton_fused, "_BWD_CHUNK_BYTES", budget)
+        for split in (0, 1 << 40):
+            monkeypatch.setattr(triton_fused, "_DX_SPLIT_BYTES", split)
+            assert torch.equal(_run("triton", x, w, labels, 0.8, ones, ones * 0.5)[2], runs[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -1017,9 +1020,11 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
                                 dict(flags, GROUP=triton_fused._DZ_GROUP, HAS_G1=True, HAS_G2=True),
                                 capability, tiles.bwd),
         _compiled_shared_memory(triton_losses._logits_kernel, logits, flags, capability, tiles.fwd),
+    ] + [
         _compiled_shared_memory(triton_kernels._hidden_grad_kernel, dx,
-                                dict(USE_TMA=False, GROUP=triton_fused._DX_GROUP, SPLIT=False,
-                                     CONTINUE=True), capability, tiles.dx),
+                                dict(USE_TMA=False, GROUP=triton_fused._DX_GROUP, SPLIT=split,
+                                     CONTINUE=True), capability, tiles.dx)
+        for split in (False, True)  # a program per tile, and per (tile, segment)
     ]
 
 
