@@ -324,6 +324,16 @@ def _eager_call_inputs(seed: int):
     return x, w, labels, g1, g2
 
 
+def _assert_same_bits(ours: list, theirs: list) -> None:
+    """Two runs' outputs and gradients: None in the same places, else the same shape, strides
+    and bits."""
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.shape == b.shape and a.stride() == b.stride()
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("case", ["plain", "entropy only", "log-prob only", "weight only",
                                   "hidden only", "main_grad", "main_grad placeholder", "no grad",
                                   "retained graph", "compiled autograd"])
@@ -368,11 +378,7 @@ def test_the_one_rank_eager_function_is_the_op(case, monkeypatch):
     theirs, their_node = run()
     if case != "no grad":
         assert (node, their_node) == ("_OneRankBackward", "_EagerBackward")
-    for a, b in zip(ours, theirs):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert a.shape == b.shape and a.stride() == b.stride()
-            assert torch.equal(a, b)
+    _assert_same_bits(ours, theirs)
     if case == "main_grad placeholder":  # the weight's hooks ran on a zero gradient
         assert not ours[-2].any()
 
@@ -493,11 +499,7 @@ def test_the_one_rank_fused_loss_function_is_the_op(case, monkeypatch):
     expected = ("_FusedIntoAccumulatorBackward",) * 2 if case == "declared upstream" else \
         ("_OneRankLossBackward", "_EagerBackward")
     assert (node, their_node) == expected
-    for a, b in zip(ours, theirs):
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert a.shape == b.shape and a.stride() == b.stride()
-            assert torch.equal(a, b)
+    _assert_same_bits(ours, theirs)
     if case == "main_grad placeholder":  # the weight's hooks ran on a zero gradient
         assert not ours[-2].any()
 
