@@ -154,8 +154,10 @@ def measure_cell(steps: dict[str, tuple[Callable[[], None], list]], rounds: int)
     names = [n for n in steps if not rows[n].get("oom")]
     for n in names:
         rows[n]["wall_rounds"] = [rows[n]["wall"]]
-    for r in range(1, rounds):
+    for r in range(1, rounds if names else 1):
         for n in names[r % len(names):] + names[:r % len(names)]:
+            if rows[n].get("oom"):
+                continue
             step, grads = steps[n]
 
             def run(step=step, grads=grads):
@@ -163,11 +165,16 @@ def measure_cell(steps: dict[str, tuple[Callable[[], None], list]], rounds: int)
                     t.grad = None
                 step()
 
-            rows[n]["wall_rounds"].append(_wall(run, rows[n]["long"]))
+            try:
+                rows[n]["wall_rounds"].append(_wall(run, rows[n]["long"]))
+            except torch.OutOfMemoryError:  # beside another path's memory: reported so
+                rows[n] = {"oom": True}
+                torch.cuda.empty_cache()
         for t in {id(t): t for _, g in steps.values() for t in g}.values():
             t.grad = None
     for n in names:
-        rows[n]["wall"] = statistics.median(rows[n]["wall_rounds"])
+        if not rows[n].get("oom"):
+            rows[n]["wall"] = statistics.median(rows[n]["wall_rounds"])
     return rows
 
 
@@ -405,9 +412,11 @@ def run_hook(hidden, tokens, vocab, rounds: int = 1) -> list[dict]:
         for h in hidden:
             model, seen = _hook_keywords(h, v)
             for n in tokens:
-                steps = {}
+                # in turns within each group: the weight has a main_grad only while the second's
+                # paths run (a V x H float32 tensor the others need no memory for)
                 for main_grad in (False, True):
                     kw, grads = _with_tokens(seen, n, h, v, main_grad)
+                    steps = {}
                     for name, proc in processors.items():
                         if main_grad and name not in ("LogprobEntropyProcessor", "PolicyLossProcessor"):
                             continue
@@ -417,9 +426,9 @@ def run_hook(hidden, tokens, vocab, rounds: int = 1) -> list[dict]:
                             _scalar(proc(**args)).backward()
 
                         steps[name + (" main_grad" if main_grad else "")] = (step, grads)
-                for name, r in measure_cell(steps, rounds).items():
-                    rows.append(dict(section="hook", path=name, tokens=n, hidden=h, vocab=v, **r))
-                    print(json.dumps(rows[-1]), flush=True)
+                    for name, r in measure_cell(steps, rounds).items():
+                        rows.append(dict(section="hook", path=name, tokens=n, hidden=h, vocab=v, **r))
+                        print(json.dumps(rows[-1]), flush=True)
             del model, seen
             torch.cuda.empty_cache()
     return rows

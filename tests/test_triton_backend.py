@@ -331,7 +331,7 @@ def _assert_same_bits(ours: list, theirs: list) -> None:
         assert (a is None) == (b is None)
         if a is not None:
             assert a.shape == b.shape and a.stride() == b.stride()
-            assert torch.equal(a, b)
+            assert a.requires_grad == b.requires_grad and torch.equal(a, b)
 
 
 @pytest.mark.parametrize("case", ["plain", "entropy only", "log-prob only", "weight only",
@@ -439,39 +439,47 @@ def test_the_prologue_folded_into_the_statistics_pass_is_the_prologue(case, monk
         assert not folded[3][bad].any()
 
 
-@pytest.mark.parametrize("case", ["policy", "cross entropy", "entropy bonus", "weight only",
+@pytest.mark.parametrize("case", ["policy", "cross entropy", "entropy bonus", "k3 penalty",
+                                  "temperature per token", "not batch invariant", "weight only",
                                   "hidden only", "main_grad", "main_grad placeholder", "chunks",
-                                  "retained graph", "compiled autograd", "double backward",
-                                  "declared upstream"])
+                                  "cross entropy main_grad chunks", "retained graph",
+                                  "compiled autograd", "double backward", "declared upstream"])
 def test_the_one_rank_fused_loss_function_is_the_op(case, monkeypatch):
     """On one rank, eager, a fused loss with its gradients formed in the forward runs under its
     own autograd Function (``loss_op._OneRankLoss``) instead of the op's generic eager Function
     (``dispatch._Eager``): the same loss, per-token values and gradients, bit for bit, for the
-    policy loss and the NLL, an input without a gradient, main_grad (the kept logit gradient
-    or a float32 dW added in the backward), several chunks, a second backward, a backward
-    traced by compiled autograd, and a double backward refused by both; a declared upstream
-    gradient keeps its own Function in both. The generic path is forced by the branch's own
-    test."""
+    policy loss (with an entropy bonus, a k3 penalty, a temperature per token, without batch
+    invariance) and the NLL, an input without a gradient, main_grad (the kept logit gradient
+    or a float32 dW added in the backward, over several chunks too), several chunks, a second
+    backward, a backward traced by compiled autograd, and a double backward refused by both; a
+    declared upstream gradient keeps its own Function in both. The generic path is forced by
+    the branch's own test."""
     from mcore_hooks.kernels import PolicyLoss, linear_policy_loss, loss_op
 
     x, w, labels, g1, _ = _eager_call_inputs(25)
     v, h = w.shape
     n = x.shape[0]
     labels = labels.to(DEVICE)
-    cfg = PolicyLoss(clip_high=0.28, dual_clip=3.0, entropy_coef=0.01 if case == "entropy bonus" else 0.0)
+    kl = dict(kl_coef=0.05, kl_type="k3") if case == "k3 penalty" else {}
+    cfg = PolicyLoss(clip_high=0.28, dual_clip=3.0, entropy_coef=0.01 if case == "entropy bonus" else 0.0,
+                     **kl)
     inputs = {"old_logprobs": -g1.abs(), "advantages": torch.linspace(-1, 1, n, device=DEVICE)}
+    if kl:
+        inputs["ref_logprobs"] = -g1.abs().flip(0)
     tw = torch.full((n,), 1.0 / n, device=DEVICE)
+    temperature = torch.linspace(0.6, 1.2, n, device=DEVICE) if case == "temperature per token" else 0.8
 
     def run():
         xr = x.clone().requires_grad_(case != "weight only")
         wr = w.clone().requires_grad_(case != "hidden only")
-        acc = torch.ones(v, h, device=DEVICE) if case.startswith("main_grad") or case == "declared upstream" else None
-        kw = dict(temperature=0.8, backend="triton", weight_grad_accumulator=acc,
+        acc = torch.ones(v, h, device=DEVICE) if "main_grad" in case or case == "declared upstream" else None
+        kw = dict(temperature=temperature, backend="triton", weight_grad_accumulator=acc,
                   placeholder_weight_grad=case == "main_grad placeholder",
-                  chunk_size=n // 3 if case == "chunks" else None)
+                  chunk_size=n // 3 if "chunks" in case else None,
+                  batch_invariant=case != "not batch invariant")
         if case == "declared upstream":
             kw["upstream_grad"] = 1.0
-        if case == "cross entropy":
+        if case.startswith("cross entropy"):
             loss, out = linear_cross_entropy(xr, wr, labels, **kw), []
         else:
             r = linear_policy_loss(xr, wr, labels, token_weight=tw, loss=cfg, inputs=inputs, **kw)
@@ -527,9 +535,9 @@ def test_the_backwards_vocabulary_chunks_leave_dx_the_same_bits(dtype, monkeypat
     alone = _run("triton", x[:9], w, labels[:9], 0.8, ones[:9], ones[:9] * 0.5)[2]
     assert torch.equal(alone, runs[0][:9])
     # and the product's two forms (a program adding its tile's segments, or a program per
-    # segment and a merge) give the same bits, in one chunk and carried over chunks of one
-    # segment
-    for budget in (1 << 40, n * seg * 2):
+    # segment and a merge) give the same bits, in one chunk and carried over chunks of two
+    # segments (a chunk of one segment has nothing to split)
+    for budget in (1 << 40, n * 2 * seg * 2):
         monkeypatch.setattr(triton_fused, "_BWD_CHUNK_BYTES", budget)
         for split in (0, 1 << 40):
             monkeypatch.setattr(triton_fused, "_DX_SPLIT_BYTES", split)

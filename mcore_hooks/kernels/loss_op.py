@@ -321,11 +321,11 @@ register_autograd(fused_token_loss, _fused_backward, _fused_setup)
 class _OneRankLoss(torch.autograd.Function):
     """:func:`fused_token_loss` on one rank (no group), eager, on the Triton backend: its
     implementation and formula (:func:`_fused_outputs`, :func:`_fused_setup`'s
-    :func:`_keep_for_backward`, :func:`_fused_grads`) without the op's layers: the 18-argument
-    generic Function, the parameters and the loss rebuilt from the op's arguments, the backend
-    looked up in it. At RL's small calls the host bounds the time, as the log-prob pass's
-    (:class:`~.stats_op._OneRank`). ``test_the_one_rank_fused_loss_function_is_the_op`` holds
-    the two to the same bits."""
+    :func:`_keep_for_backward`, :func:`_fused_grads`) without the op's layers: the generic
+    Function over its 18 arguments, and the parameters rebuilt from them. (The loss is bound
+    as the op binds it, through its fields as data: the same object, the same bits.) At RL's
+    small calls the host bounds the time, as the log-prob pass's (:class:`~.stats_op._OneRank`).
+    ``test_the_one_rank_fused_loss_function_is_the_op`` holds the two to the same bits."""
 
     @staticmethod
     def forward(ctx, hidden, weight, p: KernelParams, impl, token_loss: ag.TokenLoss, need_x: bool,
@@ -413,16 +413,17 @@ def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Te
     Triton backend's: :class:`_OneRankLoss`, the op's implementation and formula with fewer
     layers)."""
     data = None if policy is None else policy_loss_data(policy)
+    declared = p.upstream_grad is not None and p.weight_grad_accumulator is not None
+    if not declared and _eager_one_rank(p):
+        impl = _backend(p.backend, hidden.device)
+        return _OneRankLoss.apply(hidden, weight, p, impl, _token_loss(token_weight, data, inputs, p.valid),
+                                  need_x, need_w)[:3]
     args = (p.local_labels, p.valid, p.coef, p.vocab_start, group_name(p.group), p.sequence_parallel,
             p.chunk_size, p.backend)
-    if p.upstream_grad is not None and p.weight_grad_accumulator is not None:
+    if declared:
         return _FusedIntoAccumulator.apply(
             hidden, weight, args + (p.weight_grad_accumulator, p.upstream_grad, token_weight, data,
                                     inputs, need_x, need_w), p.dummy_weight_grad)[:3]
-    if _eager_one_rank(p):
-        impl = _backend(p.backend, hidden.device)
-        return _OneRankLoss.apply(hidden, weight, p, impl, _token_loss(token_weight, data, inputs, p.valid),
-                              need_x, need_w)[:3]
     out = call(fused_token_loss, hidden, weight, *args, token_weight, data, inputs, need_x, need_w,
                p.weight_grad_accumulator, p.dummy_weight_grad, torch.compiler.is_compiling())
     return out[0], out[1], out[2]
