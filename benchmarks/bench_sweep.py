@@ -70,12 +70,7 @@ def measure(step: Callable[[], None], grads: list) -> dict:
     """One path: wall, gpu, host, launches, mem (see the module docstring). Calls longer than
     20 ms take 3 host samples and the median of 5 timed calls for wall (the host's share is
     nothing there); shorter ones 7 host samples and ``do_bench``."""
-
-    def run():
-        for t in grads:
-            t.grad = None
-        step()
-
+    run = _cleared(step, grads)
     try:
         run()
         torch.cuda.synchronize()
@@ -126,6 +121,16 @@ def measure(step: Callable[[], None], grads: list) -> dict:
             "launches": launches, "mem": mem, "long": long}
 
 
+def _cleared(step: Callable[[], None], grads: list) -> Callable[[], None]:
+    """``step`` with the gradients cleared before it, as every timed call runs it."""
+    def run():
+        for t in grads:
+            t.grad = None
+        step()
+
+    return run
+
+
 def _wall(run: Callable[[], None], long: bool) -> float:
     """Median ms of back-to-back calls: ``do_bench``'s, or for a long call 5 timed one by one."""
     import triton.testing
@@ -146,7 +151,7 @@ def _wall(run: Callable[[], None], long: bool) -> float:
 def measure_cell(steps: dict[str, tuple[Callable[[], None], list]], rounds: int) -> dict[str, dict]:
     """Every path of one cell: :func:`measure` once each, then with ``rounds`` > 1 the wall again
     ``rounds - 1`` times, the paths taking turns (each round starting one path later), so that
-    a path and its stock path are timed minutes apart at most, never a whole sweep apart: the
+    a path and its stock path are timed seconds apart, never a whole sweep apart: the
     host-bound cells' walls move by up to half between runs, and a sweep run path by path puts
     that drift into the ratios. Each row keeps its rounds' walls (``wall_rounds``) and ``wall``
     becomes their median; :func:`ratio` takes the median of the per-round ratios."""
@@ -158,15 +163,8 @@ def measure_cell(steps: dict[str, tuple[Callable[[], None], list]], rounds: int)
         for n in names[r % len(names):] + names[:r % len(names)]:
             if rows[n].get("oom"):
                 continue
-            step, grads = steps[n]
-
-            def run(step=step, grads=grads):
-                for t in grads:
-                    t.grad = None
-                step()
-
             try:
-                rows[n]["wall_rounds"].append(_wall(run, rows[n]["long"]))
+                rows[n]["wall_rounds"].append(_wall(_cleared(*steps[n]), rows[n]["long"]))
             except torch.OutOfMemoryError:  # beside another path's memory: reported so
                 rows[n] = {"oom": True}
                 torch.cuda.empty_cache()
