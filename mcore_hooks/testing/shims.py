@@ -17,6 +17,9 @@ What stands in for what (each class/function below says why in its docstring):
   write the CUDA generator state, which fails without a GPU).
 - :func:`schedule_plan_on_cpu` -> the CUDA streams, events and NVTX ranges of Megatron's
   combined-1F1B schedule plan (applied only inside its own scope, by the schedule-plan tests).
+- :func:`_no_inference_linear` -> Megatron Core 0.20's ``is_inference_column_parallel_linear``
+  as the MTP layer sees it: without Transformer Engine its two classes are ``MagicMock`` stand-ins,
+  not types, and the ``isinstance`` check fails inside ``MultiTokenPredictionLayer.__init__``.
 - the ``torch`` proxy :func:`cpu_shims` puts in a few Megatron modules -> the ``torch.cuda.current_device()``
   calls with which Megatron's tensor-parallel mappings, linear layers and global memory buffer
   allocate their communication buffers (only those Megatron modules see the proxy; everything
@@ -410,6 +413,32 @@ def cpu_shims() -> Iterator[None]:
             _uninstall()
 
 
+def _no_inference_linear(module: Any) -> bool:
+    """Stands in for Megatron Core 0.20's ``is_inference_column_parallel_linear`` in its MTP
+    module, where that function's classes are not types (Transformer Engine absent): no layer is
+    an inference linear then, as none can be built without Transformer Engine."""
+    return False
+
+
+def _inference_linear_check_broken() -> Optional[types.ModuleType]:
+    """The MTP module whose ``is_inference_column_parallel_linear`` raises for every module (0.20
+    without Transformer Engine), or None."""
+    mtp = sys.modules.get("megatron.core.transformer.multi_token_prediction")
+    if mtp is None:
+        try:
+            mtp = importlib.import_module("megatron.core.transformer.multi_token_prediction")
+        except ImportError:
+            return None
+    check = getattr(mtp, "is_inference_column_parallel_linear", None)
+    if check is None:
+        return None
+    try:
+        check(None)
+    except TypeError:
+        return mtp
+    return None
+
+
 def _install() -> None:
     from megatron.core.tensor_parallel import random as mcore_random
 
@@ -419,6 +448,10 @@ def _install() -> None:
         if getattr(module, "torch", None) is torch:
             _ORIGINAL[f"torch@{name}"] = module.torch
             module.torch = proxy
+    mtp = _inference_linear_check_broken()
+    if mtp is not None:
+        _ORIGINAL["is_inference_column_parallel_linear"] = mtp.is_inference_column_parallel_linear
+        mtp.is_inference_column_parallel_linear = _no_inference_linear
     _ORIGINAL["CudaRNGStatesTracker"] = mcore_random.CudaRNGStatesTracker
     _ORIGINAL["tracker"] = (
         mcore_random._CUDA_RNG_STATE_TRACKER,
@@ -440,6 +473,9 @@ def _uninstall() -> None:
         key = f"torch@{name}"
         if key in _ORIGINAL:
             sys.modules[name].torch = _ORIGINAL.pop(key)
+    if "is_inference_column_parallel_linear" in _ORIGINAL:
+        sys.modules["megatron.core.transformer.multi_token_prediction"].is_inference_column_parallel_linear = (
+            _ORIGINAL.pop("is_inference_column_parallel_linear"))
     mcore_random.CudaRNGStatesTracker = _ORIGINAL.pop("CudaRNGStatesTracker")
     # The tracker as it was before the scope, whatever the scope created or seeded.
     (
