@@ -343,11 +343,13 @@ def enable_output_processor(model: ModelT) -> ModelT:
     """Make ``model.forward(..., output_processor=...)`` work on the installed Megatron Core.
 
     ``model`` is a GPTModel, HybridModel or MambaModel (or subclass), possibly inside DDP /
-    Float16Module wrappers, or a list of such model chunks (virtual pipeline). Only this
-    instance's class is switched, to :func:`hooked_class` (never a global patch). Where the class
-    already has the hook its calls pass through unchanged, with the MTP loss hook
-    (:mod:`mcore_hooks.mtp`) when multi-token prediction is on, and a schedule-plan post-process
-    backward that takes only the outputs the loss used. Idempotent.
+    Float16Module wrappers, or a list of such model chunks (virtual pipeline). Where upstream has
+    the hook (GPTModel on Megatron Core >= 0.18), the model is left as it is unless it asks for
+    something upstream lacks (multi-token prediction, whose
+    depths upstream computes from logits, or the combined-1F1B schedule, whose post-process
+    backward upstream runs over every output); then, and where the class lacks the hook, only
+    this instance's class is switched, to :func:`hooked_class` (never a global patch).
+    Idempotent.
 
     Args:
         model: the model, a wrapper around it, or a list of model chunks.
@@ -363,10 +365,26 @@ def enable_output_processor(model: ModelT) -> ModelT:
             enable_output_processor(chunk)
         return model
     inner = compat.unwrap_model(model)
-    target = hooked_class(type(inner))
-    if target is not type(inner):
+    cls = type(inner)
+    if compat.has_native_hook(cls) and not _beyond_upstream(inner):
+        return model  # upstream's own hook does everything this model asks for
+    target = hooked_class(cls)
+    if target is not cls:
         inner.__class__ = target
     return model
+
+
+def _beyond_upstream(model: torch.nn.Module) -> Optional[str]:
+    """What a model whose class has upstream's hook asks for that upstream lacks, or None:
+    ``"multi-token prediction"`` (MTP on, and ``process_mtp_loss`` takes no per-depth loss, so
+    every depth would build ``[tokens, vocab]`` logits) or ``"the combined-1F1B schedule"``
+    (``overlap_moe_expert_parallel_comm``: upstream's plan post-process backward needs a gradient
+    for every output, which a loss that leaves one unused does not give)."""
+    if compat.mtp_enabled(model) and not compat.native_mtp_loss_fn():
+        return "multi-token prediction"
+    if getattr(model.config, "overlap_moe_expert_parallel_comm", False):
+        return "the combined-1F1B schedule"
+    return None
 
 
 def __getattr__(name: str) -> type:

@@ -242,6 +242,8 @@ def test_unknown_keywords_are_kept():
 
 @pytest.mark.parametrize("model_class", CLASSES)
 def test_enable_is_per_instance_idempotent_and_detected(model_class):
+    """Without the hook, the instance's class is switched to the hooked one; with upstream's
+    hook (0.18+ GPTModel) the model is left as it is: upstream's hook does what it asks for."""
     cls = stock_model_class(model_class)
     cfg = TinyModelConfig(model_class=model_class)
     model, bystander = build_tiny_model(cfg), build_tiny_model(cfg)
@@ -249,14 +251,30 @@ def test_enable_is_per_instance_idempotent_and_detected(model_class):
     assert supports_output_processor(model) is native
     assert enable_output_processor(model) is model
     assert supports_output_processor(model)
-    assert type(model) is hooked_class(cls) and isinstance(model, cls) and type(model) is not cls
-    # native: the calls pass through (upstream's own forward and plan), nothing replaced
-    assert issubclass(type(model), hooked.NativeHookMixin) is native
+    assert type(model) is (cls if native else hooked_class(cls)) and isinstance(model, cls)
     enable_output_processor(model)
-    assert type(model) is hooked_class(cls)
+    assert type(model) is (cls if native else hooked_class(cls))
     assert type(bystander) is cls  # no global patching
     assert cls.forward is compat.language_model_classes()[cls.__name__].forward
     assert getattr(mcore_hooks, "Hooked" + cls.__name__) is hooked_class(cls)
+    # built directly, the hooked class passes a native class's calls through, nothing replaced
+    assert issubclass(hooked_class(cls), hooked.NativeHookMixin) is native
+
+
+@pytest.mark.parametrize("asks", ["mtp", "combined-1F1B"])
+def test_a_native_class_is_switched_only_for_what_upstream_lacks(asks):
+    """On a class with upstream's hook, ``enable_output_processor`` switches the instance's class
+    when the model asks for what upstream lacks: MTP (the depths' loss through the processor) or
+    the combined-1F1B schedule (the plan's backward over the outputs the loss used)."""
+    cls = stock_model_class("gpt")
+    if not compat.has_native_hook(cls):
+        pytest.skip("this Megatron Core's GPTModel has no native hook: every instance is switched")
+    cfg = TinyModelConfig(mtp_num_layers=1 if asks == "mtp" else 0)
+    model = build_tiny_model(cfg)
+    if asks == "combined-1F1B":
+        model.config.overlap_moe_expert_parallel_comm = True  # what the schedule reads; not validated here
+    enable_output_processor(model)
+    assert type(model) is hooked_class(cls) and issubclass(type(model), hooked.NativeHookMixin)
 
 
 def test_enable_through_wrappers_and_model_chunks():
@@ -299,9 +317,10 @@ def test_subclass_of_a_model_class_is_hooked_too():
 
 def test_clear_errors():
     cfg = TinyModelConfig()
-    model = enable_output_processor(build_tiny_model(cfg))
+    # the hooked class (what enable_output_processor switches to where it switches): backport and
+    # native pass-through alike name the keyword (before upstream's own call)
+    model = build_tiny_model(cfg, model_cls=hooked_class(stock_model_class("gpt")))
     batch = tiny_batch(cfg)
-    # Backport and native pass-through alike name the keyword (before upstream's own call).
     with pytest.raises(TypeError, match="output_processor: expected a callable"):
         model(**batch, output_processor=42)
 
