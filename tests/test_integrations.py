@@ -150,6 +150,30 @@ def test_verl_options_and_context_errors():
     torch.testing.assert_close(duck.log_probs, ref.log_probs, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["thd", "bshd"])
+def test_verl_per_token_temperature_is_the_per_sample_one_laid_out_by_the_caller(packed):
+    """A ``[b, s]`` temperature (one per token, as verl packs and shards its per-sample ones like
+    the labels, whatever the CP layout) gives the bits of the ``[b]`` one it spreads; another
+    shape is refused, naming the labels' shape."""
+    cfg = TinyModelConfig()
+    model = enable_output_processor(build_tiny_model(cfg))
+    batch = tiny_batch(cfg, packed=packed, batch_size=3)
+    b, s = batch["labels"].shape
+    per_sample = torch.tensor([0.5, 0.9, 1.3])
+    if packed:
+        per_token = per_sample.repeat_interleave(batch["packed_seq_params"].cu_seqlens_q.diff().long()).view(1, -1)
+    else:
+        per_token = per_sample[:, None].expand(b, s)
+    assert per_token.shape == (b, s)
+    run = lambda t: model(**batch, output_processor=VerlFusedProcessor(),
+                          output_processor_context=FusedOutputProcessorContext(temperature=t))
+    a, c = run(per_sample), run(per_token)
+    torch.testing.assert_close(c.log_probs, a.log_probs, rtol=0, atol=0)
+    torch.testing.assert_close(c.entropy, a.entropy, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=rf"one per token must have the labels' shape \({b}, {s}\)"):
+        run(per_token[:, :-1])
+
+
 def test_verl_processor_with_mtp_uses_the_fused_mtp_loss():
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 

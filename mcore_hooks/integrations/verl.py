@@ -57,8 +57,10 @@ class FusedOutputProcessorContext:
     """verl's ``output_processor_context`` (any object with a ``temperature`` works).
 
     Args:
-        temperature: divides the logits: a positive float, or a 1-D float tensor of one per
-            sample (one per packed sequence with packed THD input).
+        temperature: divides the logits: a positive float; a 1-D float tensor of one per
+            sample (one per packed sequence with packed THD input); or a ``[b, s]`` float tensor
+            of one per token, laid out like the labels (verl packs and shards it as it does them,
+            so any context-parallel layout and dynamic CP work).
     """
 
     temperature: Union[float, torch.Tensor] = 1.0
@@ -136,8 +138,8 @@ class VerlFusedProcessor(_FusedProcessor):
             is_finite(temperature) and temperature > 0
         ):
             raise ValueError(
-                "output_processor_context.temperature: expected a positive finite float or a 1-D "
-                f"tensor of one per sample, got {temperature!r}"
+                "output_processor_context.temperature: expected a positive finite float, a 1-D "
+                f"tensor of one per sample or a [b, s] tensor of one per token, got {temperature!r}"
             )
         return float(temperature)
 

@@ -111,7 +111,9 @@ def per_token_temperature(
     temperature: Union[float, torch.Tensor], batch: int, seq: int, packed_seq_params: Any = None,
     cp_size: int = 1, device: Optional[torch.device] = None,
 ) -> Union[float, torch.Tensor]:
-    """A float, or ``[b]`` per-sample temperatures as one per token in ``[s, b]`` order.
+    """A float, or a tensor of temperatures as one per token in ``[s, b]`` order: ``[b]`` one per
+    sample, or ``[b, s]`` one per token (aligned with the labels: this rank's shard under context
+    parallelism), for a caller that lays them out itself.
 
     For packed THD input a sample is a packed sequence: ``[num_sequences]`` temperatures are
     spread over each sequence's positions (padding included, the trailing padding taking the last
@@ -119,6 +121,13 @@ def per_token_temperature(
     The result is on ``device`` (the hidden states'): a CPU temperature tensor is copied there,
     host to device, rather than the device's ``cu_seqlens`` read back to the host.
     """
+    if isinstance(temperature, torch.Tensor) and temperature.dim() == 2:
+        if tuple(temperature.shape) != (batch, seq):
+            raise ValueError(
+                f"temperature: one per token must have the labels' shape ({batch}, {seq}), got "
+                f"{tuple(temperature.shape)}"
+            )
+        return temperature.to(device).t().reshape(-1)
     return per_request("temperature", temperature, batch, seq, packed_seq_params, cp_size, device)
 
 
