@@ -1,7 +1,7 @@
 """What verl 0.9.1's Megatron modules need on a CPU machine that cannot be had there, for
 ``tests/test_verl_series.py``; nothing here computes anything the tests compare.
 
-Two stand-ins, each for a thing verl imports or asks for that has no CPU form:
+Three stand-ins, each for a thing verl imports or asks for that has no CPU form:
 
 * :func:`ray_stub`: the ``ray`` module. ``import verl`` reaches ``verl.protocol``, which imports
   Ray at module level and uses ``ray.ObjectRef`` in annotations; the Megatron engine's forward
@@ -12,6 +12,10 @@ Two stand-ins, each for a thing verl imports or asks for that has no CPU form:
   ``get_device_id()``, which asks CUDA for its current device. Installed through verl's own
   ``set_platform`` (its plugin interface for new hardware), after ``import verl`` (whose import
   already picked the CUDA platform, unavailable here, for its import-time flags).
+* :func:`linear_cross_entropy_reference`: verl's own fused kernel
+  (``verl.utils.kernel.linear_cross_entropy``, Triton, CUDA only), which verl's
+  ``fused_output_processor`` calls: the same contract computed by the formula, on one TP rank.
+  Installed by :func:`verl_kernel_on_cpu` in the module that calls it.
 
 Everything else verl's Megatron modules import is the real package (``tensordict``,
 ``transformers``, ``peft``, ``datasets``, ``omegaconf``, ``codetiming``, ``pillow``...): see
@@ -177,3 +181,25 @@ def use_verl_tree(tree: str) -> None:
 
     platform_manager._current_platform = _cpu_platform_class()()
     assert verl.__file__.startswith(tree), (verl.__file__, tree)
+
+
+def linear_cross_entropy_reference(hidden, weight, labels, temperature=1.0, reduction="none", dist_process_group=None):
+    """Stands in for verl's Triton ``linear_cross_entropy`` (its contract: a float temperature,
+    reduction ``"none"``, ``hidden`` and ``labels`` flattened as they come; float32 1-D log-probs
+    and entropies) by the formula, in float32, on one tensor-parallel rank."""
+    import torch
+
+    assert isinstance(temperature, float) and reduction == "none", (temperature, reduction)
+    if dist_process_group is not None and torch.distributed.get_world_size(dist_process_group) > 1:
+        raise NotImplementedError("the CPU stand-in of verl's linear_cross_entropy runs on one TP rank")
+    logits = hidden.reshape(-1, hidden.shape[-1]).float() @ weight.float().t() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, labels.reshape(-1, 1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def verl_kernel_on_cpu() -> None:
+    """verl's fused forward module (imported from the tree :func:`use_verl_tree` put first) calls
+    :func:`linear_cross_entropy_reference` in place of its Triton kernel, in this process."""
+    from verl.models.mcore import model_forward_fused
+
+    model_forward_fused.linear_cross_entropy = linear_cross_entropy_reference
