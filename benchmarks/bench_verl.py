@@ -1,28 +1,39 @@
-"""verl's Megatron engine with MTP on one GPU, bf16, a real vocabulary: the patched fused forward
-(``upstream/verl/``'s series, ``use_fused_kernels=True``: mcore-hooks' ``VerlFusedProcessor`` through
-the hook, at the main head and the MTP depth) against released verl 0.9.1's non-fused forward
-(logits materialised at every head). Issue 40, item 4.
+"""verl's Megatron engine on one GPU, bf16, a real vocabulary: what the patched tree
+(``upstream/verl/``'s series, mcore-hooks installed) and released verl 0.9.1 each run when asked for
+``use_fused_kernels=True``, at Qwen2.5-0.5B and 7B shapes, with MTP or per-sample temperatures or
+neither.
 
-    python benchmarks/bench_verl_mtp.py [--tokens 4096 16384] [--iters 10] [--json out.json]
-    python benchmarks/bench_verl_mtp.py --device cpu --vocab 512 --hidden 64 --ffn 128 --heads 4 --tokens 64 128
+    python benchmarks/bench_verl.py [--tokens 4096 16384] [--mtp 1] [--per-sample] [--iters 10] [--json out.json]
+    python benchmarks/bench_verl.py --device cpu --vocab 512 --hidden 64 --ffn 128 --heads 4 --tokens 64 128
+
+What each tree runs: with a uniform temperature and MTP off, both trees take verl's own fused path
+(verl's ``fused_output_processor`` and its Triton ``linear_cross_entropy``, through Megatron's
+native hook: the same code, so the two rows time it twice). With MTP on, released verl turns fused
+kernels off (logits at the main head and at every MTP depth) and the patched tree runs
+mcore-hooks' ``VerlFusedProcessor`` (fused at the head and the depth). With per-sample
+temperatures released verl refuses fused kernels, so it runs ``use_fused_kernels=False``, and the
+patched tree runs mcore-hooks' processor with one temperature per token. With
+``--mcore-hooks-everywhere`` the patched tree runs mcore-hooks' processor in place of verl's at a
+uniform temperature too: verl's kernel against mcore-hooks' on the same calls.
 
 What runs is what ``tests/test_verl_series.py`` runs, with its helpers (the sdist, the series by
 ``git apply``, ``_engine``, ``_samples``, ``_micro_batch``), each tree in a process of its own:
 ``MegatronEngineWithLMHead.initialize``, then per step ``forward_step`` on one packed THD micro-batch
-(nested ``input_ids``, a response ``loss_mask``, a uniform temperature, entropy on) and ``backward``
-of the test's objective (random weights on every token's log-prob and entropy; Megatron adds the
-MTP loss in the backward). Unlike the test: a Qwen2.5-0.5B-like GPTModel (hidden 896, 14 heads / 2
-groups, SwiGLU 4864, RMSNorm, RoPE, 2 layers, untied as the test's MTP case, 1 MTP layer), bf16 in
-Megatron's ``Float16Module`` as verl's ``make_megatron_module`` wraps it (released verl gets float32
-logits, as in training); no optimizer step. Stood in for, the same in both trees: Ray and, on the
-CPU, verl's platform (``tests/verl_stubs.py``); Transformer Engine's attention
-(:func:`_thd_attention`); two verl modules the engine imports and never uses (:data:`STAND_INS`).
+(nested ``input_ids``, a response ``loss_mask``, entropy on) and ``backward`` of the test's
+objective (random weights on every token's log-prob and entropy; Megatron adds the MTP loss in the
+backward). Unlike the test: a Qwen2.5-shaped GPTModel (by default 0.5B's: hidden 896, 14 heads / 2
+groups, SwiGLU 4864; 7B's is hidden 3584, 28 / 4, 18944, vocabulary 152064), RMSNorm, RoPE, 2
+layers, untied, bf16 in Megatron's ``Float16Module`` as verl's ``make_megatron_module`` wraps it;
+no optimizer step. Stood in for, the same in both trees: Ray and, on the CPU, verl's platform
+(``tests/verl_stubs.py``); Transformer Engine's attention (:func:`_thd_attention`); two verl modules
+the engine imports and never uses (:data:`STAND_INS`).
 
-Reported per tree and micro-batch size: the median ms of ``--iters`` steps after ``--warmup``
-(synchronised around each); the peak memory allocated in a step above what was allocated before it
-(the largest over the steps; OOM is a result too); and the trees' agreement: the same weights (a
-checksum), log-probs and entropies (max |diff|, each sequence's last token left out as in the
-test), the MTP loss Megatron logs, the gradient norms of the heads and the MTP block.
+Reported per tree and micro-batch size: the path it took (``verl`` kernel, ``mcore-hooks``
+processor or ``logits``), the median ms of ``--iters`` steps after ``--warmup`` (synchronised
+around each); the peak memory allocated in a step above what was allocated before it (the largest
+over the steps; OOM is a result too); and the trees' agreement: the same weights (a checksum),
+log-probs and entropies (max |diff|, each sequence's last token left out as in the test), the MTP
+loss Megatron logs, the gradient norms of the heads and the MTP block.
 """
 
 from __future__ import annotations
@@ -79,7 +90,7 @@ def patched_tree(where: Path, use_git: bool | None = None) -> Path:
         tree = series._unpack(series._sdist(), where / "patched")
         assert series._git(["init", "-q"], tree).returncode == 0
         for patch in series.SERIES:
-            done = series._git(["apply", "--whitespace=error", str(patch)], tree)
+            done = series._git(["apply", "--whitespace=error", f"--exclude={series.NOT_IN_THE_SDIST}", str(patch)], tree)
             if done.returncode:
                 raise RuntimeError(f"{patch.name} does not apply to verl {series.VERL_VERSION}:\n{done.stderr}")
         shutil.rmtree(tree / ".git")
@@ -101,7 +112,7 @@ def _stand_in(name: str, path: Path | None = None) -> types.ModuleType:
             raise AttributeError(attr)
 
         def refuse(*args, **kwargs):
-            raise RuntimeError(f"{name}.{attr}: stood in for by benchmarks/bench_verl_mtp.py")
+            raise RuntimeError(f"{name}.{attr}: stood in for by benchmarks/bench_verl.py")
 
         return type(attr, (), {"__init__": refuse})
 
@@ -237,25 +248,42 @@ def run_tree(a) -> None:
     from verl.utils.megatron_utils import unwrap_model
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
 
-    fused, cuda = a.child == "patched", a.device == "cuda"
+    # released verl refuses fused kernels with per-sample temperatures: it is run without them
+    patched, cuda = a.child == "patched", a.device == "cuda"
+    fused = patched or not a.per_sample
+    expect_fused = fused and (patched or not a.mtp)  # released verl turns them off with MTP
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    hook_calls = [0]  # VerlFusedProcessor's calls through the hook: the fused path really ran
-    if fused:
+    calls = {"mcore-hooks": 0, "verl": 0}  # the processors' calls through the hook: which path ran
+    import verl.models.mcore.model_forward_fused as mff
+
+    if not cuda:  # verl's kernel is Triton, CUDA only: its stand-in (the formula) on the CPU
+        verl_stubs.verl_kernel_on_cpu()
+
+    verl_processor = mff.fused_output_processor
+
+    def counted_verl(**kwargs):
+        calls["verl"] += 1
+        return verl_processor(**kwargs)
+
+    mff.fused_output_processor = counted_verl
+    if patched:
         from mcore_hooks.integrations.verl import VerlFusedProcessor
 
         process = VerlFusedProcessor.process
 
         def counted(self, ctx):
-            hook_calls[0] += 1
+            calls["mcore-hooks"] += 1
             return process(self, ctx)
 
         VerlFusedProcessor.process = counted
+        if a.mcore_hooks_everywhere:
+            mff.fused_output_processor = VerlFusedProcessor()
     model = build_model(a, a.device)
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     case = series.Case("bench", (1,), (a.temperature,), tied=a.tied, mtp=a.mtp, entropy=a.entropy, seed=a.seed)
     engine = series._engine(MegatronEngineWithLMHead, model, fused=fused, case=case)
     engine.initialize()
-    assert engine.engine_config.use_fused_kernels is fused, engine.engine_config.use_fused_kernels
+    assert engine.engine_config.use_fused_kernels is expect_fused, engine.engine_config.use_fused_kernels
 
     def step(batch, w1, w2):
         """verl's forward_step, then backward of the test's objective; the log-probs, entropies."""
@@ -268,15 +296,17 @@ def run_tree(a) -> None:
     rows, values = [], {}
     for tokens in a.tokens:
         lengths = _lengths(tokens, a.sequences, a.seed + tokens)
-        case = dataclasses.replace(case, lengths=lengths, temperature=(a.temperature,) * len(lengths))
+        temperature = (tuple(0.6 + 0.2 * (i % 4) for i in range(len(lengths))) if a.per_sample
+                       else (a.temperature,) * len(lengths))
+        case = dataclasses.replace(case, lengths=lengths, temperature=temperature)
         ids, masks, (w1, w2) = series._samples(case, a.vocab)
-        batch = series._micro_batch(case, ids, masks, fused)  # on the CPU: forward_step moves it
+        batch = series._micro_batch(case, ids, masks, expect_fused)  # on the CPU: forward_step moves it
         w1, w2 = w1.to(a.device), w2.to(a.device)
-        row = {"tree": a.child, "path": "fused (patched)" if fused else "non-fused (released)", "tokens": tokens,
+        row = {"tree": a.child, "tokens": tokens,
                "lengths": list(lengths), "device": torch.cuda.get_device_name() if cuda else "cpu",
                "model_class": type(unwrap_model(model)).__name__, "param_checksum": checksum}
         times, peaks = [], []
-        hook_calls[0] = 0
+        calls.update({"mcore-hooks": 0, "verl": 0})
         try:
             for i in range(a.warmup + a.iters):
                 model.zero_grad(set_to_none=False)  # persistent gradients, as DDP's buffer
@@ -298,7 +328,9 @@ def run_tree(a) -> None:
             values[tokens] = {"log_probs": series._valid(case, lp.float().cpu()),
                               "entropy": None if ent is None else series._valid(case, ent.float().cpu()),
                               "mtp": {k: v.float().cpu() for k, v in series._mtp_tracker().items()}}
-            row.update(hook_calls_per_step=hook_calls[0] / (a.warmup + a.iters),
+            steps = a.warmup + a.iters
+            row.update(path="mcore-hooks" if calls["mcore-hooks"] else "verl" if calls["verl"] else "logits",
+                       processor_calls_per_step={k: v / steps for k, v in calls.items()},
                        ms=statistics.median(times), ms_all=[round(t, 2) for t in times],
                        peak_mib=max(peaks) if cuda else None, oom=False, grad_norms=grads)
             del lp, ent
@@ -334,6 +366,11 @@ def main() -> None:
     ap.add_argument("--tied", action="store_true", help="share the embedding and output weights")
     ap.add_argument("--no-entropy", dest="entropy", action="store_false")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--mcore-hooks-everywhere", action="store_true",
+                    help="the patched tree runs mcore-hooks' processor where it would run verl's (uniform "
+                         "temperature, MTP off): verl's kernel against mcore-hooks' on the same calls")
+    ap.add_argument("--per-sample", action="store_true",
+                    help="a temperature per sample (0.6, 0.8, 1.0, 1.2, ... round the samples) instead of --temperature")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
@@ -349,11 +386,11 @@ def main() -> None:
 
     import megatron.core
 
-    tmp = Path(tempfile.mkdtemp(prefix="bench_verl_mtp_"))
+    tmp = Path(tempfile.mkdtemp(prefix="bench_verl_"))
     trees = {"patched": patched_tree(tmp), "released": series._unpack(series._sdist(), tmp / "released")}
     results = {}
     for name, tree in trees.items():  # each tree in a process of its own: verl's module names collide
-        result, log = tmp / f"{name}.pt", Path(a.logs or tmp) / f"bench_verl_mtp_{name}.log"
+        result, log = tmp / f"{name}.pt", Path(a.logs or tmp) / f"bench_verl_{name}.log"
         cmd = [sys.executable, __file__, *sys.argv[1:], "--child", name, "--tree-dir", str(tree), "--result", str(result)]
         with open(log, "w") as f:  # verl prints the model, Megatron its notes: shown on failure
             try:
@@ -370,13 +407,14 @@ def main() -> None:
             "megatron_core": megatron.core.__version__, "verl": series.VERL_VERSION,
             "series": [p.name for p in series.SERIES],
             "shape": {k: getattr(a, k) for k in ("vocab", "hidden", "ffn", "layers", "heads", "groups", "mtp",
-                                                  "tied", "entropy", "sequences", "temperature")},
+                                                  "tied", "entropy", "sequences", "temperature", "per_sample",
+                                                  "mcore_hooks_everywhere")},
             "iters": a.iters, "warmup": a.warmup, "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     print(json.dumps({"meta": meta}))
     rows = []
     for tokens in a.tokens:
         p, r = (next((x for x in results[t]["rows"] if x["tokens"] == tokens),
-                     {"tree": t, "path": t, "tokens": tokens, "ms": None, "peak_mib": None, "oom": False,
+                     {"tree": t, "path": None, "tokens": tokens, "ms": None, "peak_mib": None, "oom": False,
                       "error": results[t].get("error")}) for t in ("patched", "released"))
         vp, vr = results["patched"]["values"].get(tokens), results["released"]["values"].get(tokens)
         agree = _agreement(vp, vr) if vp and vr else {}
@@ -391,14 +429,15 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    temps = "per-sample temperatures" if a.per_sample else f"temperature {a.temperature}"
     print(f"\n{meta['device']}, bf16, V={a.vocab}, H={a.hidden}, {a.layers} layers + {a.mtp} MTP (trained), "
-          f"{a.sequences} packed sequences, entropy {'on' if a.entropy else 'off'}; median of {a.iters} steps\n")
-    print("| tokens | verl path | fwd+bwd ms | peak MiB above pre-step | log-prob max abs diff | entropy max abs diff |")
-    print("|---|---|---|---|---|---|")
+          f"{a.sequences} packed sequences, {temps}, entropy {'on' if a.entropy else 'off'}; median of {a.iters} steps\n")
+    print("| tokens | verl tree | path | fwd+bwd ms | peak MiB above pre-step | log-prob max abs diff | entropy max abs diff |")
+    print("|---|---|---|---|---|---|---|")
     fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
     for row in rows:
         ms = "OOM" if row["oom"] else "failed" if row.get("error") else fmt(row["ms"], ".1f")
-        print(f"| {row['tokens']} | {row['path']} | {ms} | {fmt(row['peak_mib'], '.0f')} | "
+        print(f"| {row['tokens']} | {row['tree']} | {row['path']} | {ms} | {fmt(row['peak_mib'], '.0f')} | "
               f"{fmt(row.get('logprob_max_abs_diff'), '.2e')} | {fmt(row.get('entropy_max_abs_diff'), '.2e')} |")
     for row in rows[::2]:
         if "same_weights" in row:
@@ -406,8 +445,8 @@ def main() -> None:
                   f"{row['mtp_logged']} (max |diff| {fmt(row['mtp_loss_max_abs_diff'], '.2e')}), gradient norms "
                   f"(output layer, embedding, MTP) max relative diff {row['grad_norm_max_rel_diff']:.2e}, "
                   f"models {row['model_class']} (patched) / {rows[rows.index(row) + 1]['model_class']} (released), "
-                  f"VerlFusedProcessor calls a step {row.get('hook_calls_per_step')} (patched) / "
-                  f"{rows[rows.index(row) + 1].get('hook_calls_per_step')} (released)")
+                  f"processor calls a step {row.get('processor_calls_per_step')} (patched) / "
+                  f"{rows[rows.index(row) + 1].get('processor_calls_per_step')} (released)")
 
 
 if __name__ == "__main__":

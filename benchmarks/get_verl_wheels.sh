@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run from the project root on this (CPU) machine. Puts into ./.whlverl (kept out of git via
-# .git/info/exclude) all that benchmarks/bench_verl_mtp.py needs on the GPU machine beside the
+# .git/info/exclude) all that benchmarks/bench_verl.py needs on the GPU machine beside the
 # image's torch, triton, numpy and pytest (23 MB; the device tool's carry limit is 64 MiB):
 #   - megatron-core's wheel, copied from .whl/ (downloaded if absent): .whl/ holds other
 #     benchmarks' large files, so .whlverl is the one folder this benchmark carries;
@@ -48,7 +48,7 @@ MCORE_HOOKS_CI_CACHE=${MCORE_HOOKS_CI_CACHE:-$HOME/.cache/mcore-hooks-ci} "$PY" 
 import shutil, sys, tarfile, tempfile
 from pathlib import Path
 sys.path[:0] = ["benchmarks", "tests"]
-import bench_verl_mtp as b
+import bench_verl as b
 sdist = b.series._sdist()
 shutil.copy(sdist, Path(".whlverl/verl-sdist") / sdist.name)
 with tempfile.TemporaryDirectory() as tmp:
