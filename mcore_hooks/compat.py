@@ -267,7 +267,7 @@ def output_layer_inputs(
 
 def schedule_loss_gradient(config: Any, num_microbatches: int, *, loss_func_returns: int = 2) -> float:
     """The gradient Megatron Core's schedules give the loss a ``loss_func`` returns (every release
-    0.13-0.19, ``forward_step`` / ``forward_step_calc_loss`` then ``backward_step``).
+    0.13-0.20, ``forward_step`` / ``forward_step_calc_loss`` then ``backward_step``).
 
     The last stage's backward seed is ``S = grad_scale_func(1)`` (the optimizer's loss scale: 1
     for bf16 and fp32 without ``loss_scale``), and the loss is scaled in place first:

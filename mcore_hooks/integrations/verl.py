@@ -3,37 +3,37 @@
 verl (Megatron backend) gets log-probs and entropies without logits in one of three ways: on
 Megatron Core >= 0.18 it passes ``output_processor=fused_output_processor`` with
 ``output_processor_context=FusedOutputProcessorContext(temperature=...)``; below 0.18 it replaces
-the model instance's ``forward`` with a copy that skips ``_postprocess``; and with multi-token
-prediction on it turns the fused path off (its ``_postprocess`` patch drops the hook), so every
-MTP depth builds ``[tokens, vocab]`` logits. :class:`VerlFusedProcessor` keeps verl's contract
-and does all three with one call, on Megatron Core 0.13-0.19::
+the model instance's ``forward`` with a copy that skips ``_postprocess``; with multi-token
+prediction on, or per-sample temperatures, it has no fused path (every MTP depth builds
+``[tokens, vocab]`` logits). :class:`VerlFusedProcessor` keeps verl's contract and serves all of
+them with one call, on Megatron Core 0.13-0.20 (``upstream/verl/`` is the series that has verl use
+it where its own processor cannot)::
 
     from mcore_hooks import enable_output_processor
     from mcore_hooks.integrations.verl import FusedOutputProcessorContext, VerlFusedProcessor
 
-    model = enable_output_processor(model)   # switches this instance's class (see below)
+    model = enable_output_processor(model)   # the hook below 0.18; with MTP on, the depths' loss
     output = model(input_ids=input_ids_rmpad, position_ids=None, attention_mask=None,
                    packed_seq_params=packed_seq_params, labels=labels_rmpad,
                    output_processor=VerlFusedProcessor(),
                    output_processor_context=FusedOutputProcessorContext(temperature=0.7))
     output.log_probs, output.entropy   # float32, one per token of the packed (THD) batch
 
-``enable_output_processor`` switches the instance's class to a subclass on every release: below
-0.18 one adding the hook; on 0.18+ one whose ``forward`` and ``build_schedule_plan`` pass through
-to the native hook, adding, for each call only, the MTP loss stand-ins when MTP is on and
-Megatron's ``process_mtp_loss`` takes no per-depth loss (the depths' loss through the processor's
-fused kernel: :mod:`mcore_hooks.mtp`) and, on a schedule plan, a post-process backward over only
-the outputs the loss used.
+``enable_output_processor`` switches the instance's class below 0.18 (to one adding the hook) and,
+on 0.18+, only with MTP on or the combined-1F1B schedule configured (to one that passes the
+native calls through, adding for each call the MTP loss stand-ins, which send the depths' loss
+through the processor's fused kernel: :mod:`mcore_hooks.mtp`, and on a schedule plan a
+post-process backward over the outputs the loss used); otherwise Megatron's own hook serves.
 
 The contract, as verl's ``fused_output_processor`` has it: the labels are the caller's (already
 rolled, e.g. verl's ``preprocess_thd_engine(..., need_roll=True)``); ``log_probs`` and
 ``entropy`` are float32 and 1-D over the flattened ``[b, s]`` tokens (verl's batches are packed,
 ``b = 1``); ``hidden_states`` is the hook's, before any sequence-parallel gather. What differs:
-the temperature may also be one per sample (per packed sequence for THD), which verl's kernel
-refuses; MuP logit scaling is applied (verl ignores it); ``calculate_entropy=False`` gives
-``entropy=None``; ``as_tuple=True`` returns ``(log_probs, entropy)`` for the combined-1F1B
-schedule plan; and with MTP on every depth uses the fused kernel too
-(:mod:`mcore_hooks.mtp`). verl itself is not needed to import this module.
+the temperature may also be one per sample or one per token, which verl's kernel refuses; MuP
+logit scaling is applied (verl ignores it); ``calculate_entropy=False`` gives ``entropy=None``;
+``as_tuple=True`` returns ``(log_probs, entropy)`` for the combined-1F1B schedule plan; and with
+MTP on every depth uses the fused kernel too (:mod:`mcore_hooks.mtp`). verl itself is not needed
+to import this module.
 """
 
 from __future__ import annotations

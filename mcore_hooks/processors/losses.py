@@ -245,7 +245,7 @@ def megatron_upstream_grad(config: Any, num_microbatches: int, *, loss_func_retu
     ``num_microbatches`` passed to the schedule.
 
     Megatron's ``forward_step_calc_loss`` scales the loss your ``loss_func`` returns in place
-    before the backward (every release 0.13-0.19): ``(loss, logging)`` is multiplied by the
+    before the backward (every release 0.13-0.20): ``(loss, logging)`` is multiplied by the
     context-parallel size and divided by ``num_microbatches``; ``(loss, num_tokens, logging)`` is
     left as it is under ``calculate_per_token_loss`` and otherwise divided by ``num_tokens`` (a
     data-dependent value, refused here). The backward seed is the optimizer's loss scale
