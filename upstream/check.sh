@@ -9,13 +9,18 @@
 #   upstream/check.sh nemo-rl /path/to/RL-checkout      [extra pytest arguments]
 #
 # Run it with the Python of an environment that has the framework's test dependencies, Megatron
-# Core and mcore-hooks installed (PYTHON=..., default python3). The tree is not modified: both
-# trees are copies under a temporary folder (kept with KEEP=1). The framework is imported from
-# the copies (PYTHONPATH). Files the series changes that the tree does not have (verl's docs/ in
-# its sdist) are left out, and said so. The framework's own pytest addopts are dropped (NeMo RL's -x
+# Core and mcore-hooks installed (PYTHON=..., default python3). TREE is the framework as released
+# (a checkout at the release the series is against, without the series: the script applies it);
+# it is not modified: both trees are copies under a temporary folder (kept with KEEP=1), and the
+# framework is imported from them (PYTHONPATH; checked). Documentation the series changes that
+# the tree does not have (verl's docs/, absent from its sdist) is left out, and said so; any
+# other file missing is an error. The framework's own pytest addopts are dropped (NeMo RL's -x
 # would stop at the first failure); arguments after TREE go to pytest. Exit status 1 when a test that passes in the released tree
 # does not pass in the patched one (with or without mcore-hooks), or when a patch does not apply.
 set -euo pipefail
+if [ "${BASH_VERSINFO[0]}" -lt 4 ] || { [ "${BASH_VERSINFO[0]}" -eq 4 ] && [ "${BASH_VERSINFO[1]}" -lt 4 ]; }; then
+  echo "upstream/check.sh needs bash 4.4 or later" >&2; exit 2
+fi
 here=$(cd "$(dirname "$0")" && pwd)
 framework=${1:?usage: upstream/check.sh verl|nemo-rl TREE [pytest args]}
 tree=$(cd "${2:?usage: upstream/check.sh verl|nemo-rl TREE [pytest args]}" && pwd)
@@ -34,9 +39,13 @@ for name in released patched; do
 done
 git -C "$work/patched" init -q
 for p in "${series[@]}"; do
-  excludes=()  # files the patch changes that this tree does not have (it creates none of them)
+  excludes=()  # documentation the patch changes that this tree does not have
   while read -r f; do
-    [ -n "$f" ] && excludes+=("--exclude=$f") && echo "   $(basename "$p"): $f is not in this tree: left out"
+    [ -n "$f" ] || continue
+    case "$f" in
+      docs/*) excludes+=("--exclude=$f") && echo "   $(basename "$p"): $f is not in this tree: left out" ;;
+      *) echo "$(basename "$p") changes $f, which $tree does not have: not the release the series is against?" >&2; exit 1 ;;
+    esac
   done < <("$PYTHON" -c '
 import re, sys
 from pathlib import Path
@@ -86,11 +95,26 @@ import sys
 sys.modules["mcore_hooks"] = None  # `import mcore_hooks` raises ImportError, as where it is not installed
 EOF
 
+package=${framework//-/_}  # verl, nemo_rl
+for name in released patched; do  # the framework is imported from the copy, not from an install
+  where=$(cd "$work/$name" && PYTHONPATH="$work/$name" "$PYTHON" -c "import importlib.util as u; print(u.find_spec('$package').origin)" 2>/dev/null || true)
+  case "$where" in
+    "$work/$name"/*) ;;
+    *) echo "$package is imported from '${where:-nowhere}', not from the $name copy" >&2; exit 2 ;;
+  esac
+done
+
 run() {  # tree, mcore-hooks (importable|hidden)
-  local name=$1 mode=$2 present=()
+  local name=$1 mode=$2 present=() files=()
   shift 2
   [ "$mode" = hidden ] && present=(-p hide_mcore_hooks)
-  for t in "${tests[@]}"; do [ -e "$work/$name/$t" ] && present+=("$t"); done
+  for t in "${tests[@]}"; do [ -e "$work/$name/$t" ] && files+=("$t"); done
+  if [ "${#files[@]}" = 0 ]; then  # pytest without paths would run the whole suite
+    echo '<testsuites><testsuite/></testsuites>' > "$work/$name-$mode.xml"
+    echo "   $name, mcore-hooks $mode: none of the test files is in this tree"
+    return
+  fi
+  present+=("${files[@]}")
   (cd "$work/$name" && PYTHONPATH="$work/$name:$work${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -m pytest -q \
      -p no:cacheprovider -o addopts= --continue-on-collection-errors --junitxml="$work/$name-$mode.xml" "${present[@]}" "$@" > "$work/$name-$mode.log" 2>&1) || true
   echo "   $name, mcore-hooks $mode: $(tail -n 1 "$work/$name-$mode.log")"
