@@ -347,9 +347,9 @@ def enable_output_processor(model: ModelT) -> ModelT:
     the hook (GPTModel on Megatron Core >= 0.18), the model is left as it is unless it asks for
     something upstream lacks (multi-token prediction, whose
     depths upstream computes from logits, or the combined-1F1B schedule, whose post-process
-    backward upstream runs over every output); then, and where the class lacks the hook, only
-    this instance's class is switched, to :func:`hooked_class` (never a global patch).
-    Idempotent.
+    backward upstream runs over every output: decided from the config when this is called, so
+    call it once the config is final); then, and where the class lacks the hook, only this
+    instance's class is switched, to :func:`hooked_class` (never a global patch). Idempotent.
 
     Args:
         model: the model, a wrapper around it, or a list of model chunks.
@@ -366,7 +366,7 @@ def enable_output_processor(model: ModelT) -> ModelT:
         return model
     inner = compat.unwrap_model(model)
     cls = type(inner)
-    if compat.has_native_hook(cls) and not _beyond_upstream(inner):
+    if compat.has_native_hook(cls) and not _asks_beyond_upstream(model, inner):
         return model  # upstream's own hook does everything this model asks for
     target = hooked_class(cls)
     if target is not cls:
@@ -374,17 +374,16 @@ def enable_output_processor(model: ModelT) -> ModelT:
     return model
 
 
-def _beyond_upstream(model: torch.nn.Module) -> Optional[str]:
-    """What a model whose class has upstream's hook asks for that upstream lacks, or None:
-    ``"multi-token prediction"`` (MTP on, and ``process_mtp_loss`` takes no per-depth loss, so
-    every depth would build ``[tokens, vocab]`` logits) or ``"the combined-1F1B schedule"``
-    (``overlap_moe_expert_parallel_comm``: upstream's plan post-process backward needs a gradient
-    for every output, which a loss that leaves one unused does not give)."""
-    if compat.mtp_enabled(model) and not compat.native_mtp_loss_fn():
-        return "multi-token prediction"
-    if getattr(model.config, "overlap_moe_expert_parallel_comm", False):
-        return "the combined-1F1B schedule"
-    return None
+def _asks_beyond_upstream(model: Any, inner: torch.nn.Module) -> bool:
+    """Whether a model whose class has upstream's hook asks for what upstream lacks: MTP on, where
+    ``process_mtp_loss`` takes no per-depth loss (every depth would build ``[tokens, vocab]``
+    logits), or the combined-1F1B schedule (``overlap_moe_expert_parallel_comm`` in the config
+    Megatron's schedules read, the outermost wrapper's, or the model's own: upstream's plan
+    post-process backward needs a gradient for every output, which a loss that leaves one unused
+    does not give)."""
+    if compat.mtp_enabled(inner) and not compat.native_mtp_loss_fn():
+        return True
+    return any(getattr(getattr(m, "config", None), "overlap_moe_expert_parallel_comm", False) for m in (model, inner))
 
 
 def __getattr__(name: str) -> type:

@@ -269,12 +269,30 @@ def test_a_native_class_is_switched_only_for_what_upstream_lacks(asks):
     cls = stock_model_class("gpt")
     if not compat.has_native_hook(cls):
         pytest.skip("this Megatron Core's GPTModel has no native hook: every instance is switched")
+    from megatron.core.transformer.module import Float16Module
+
     cfg = TinyModelConfig(mtp_num_layers=1 if asks == "mtp" else 0)
-    model = build_tiny_model(cfg)
-    if asks == "combined-1F1B":
-        model.config.overlap_moe_expert_parallel_comm = True  # what the schedule reads; not validated here
+    chunks = [build_tiny_model(cfg), build_tiny_model(cfg)]
+    # a wrapper (as in test_enable_through_wrappers_and_model_chunks) and a list of chunks
+    wrapped = [Float16Module(dataclasses.replace(chunks[0].config, bf16=True), chunks[0]), chunks[1]]
+    if asks == "combined-1F1B":  # set after the configs are built: what the schedule reads, not validated here
+        wrapped[0].config.overlap_moe_expert_parallel_comm = True  # the wrapper's, which the schedules read
+        chunks[1].config.overlap_moe_expert_parallel_comm = True
+    assert enable_output_processor(wrapped) is wrapped
+    for chunk in chunks:
+        assert type(chunk) is hooked_class(cls) and issubclass(type(chunk), hooked.NativeHookMixin)
+
+
+def test_a_native_class_with_mtp_is_left_alone_where_upstream_takes_the_depths_loss(monkeypatch):
+    """Where ``process_mtp_loss`` takes a per-depth loss itself (``upstream/0002``), MTP asks for
+    nothing upstream lacks: the model is left as it is."""
+    cls = stock_model_class("gpt")
+    if not compat.has_native_hook(cls):
+        pytest.skip("this Megatron Core's GPTModel has no native hook: every instance is switched")
+    monkeypatch.setattr(compat, "native_mtp_loss_fn", lambda: True)
+    model = build_tiny_model(TinyModelConfig(mtp_num_layers=1))
     enable_output_processor(model)
-    assert type(model) is hooked_class(cls) and issubclass(type(model), hooked.NativeHookMixin)
+    assert type(model) is cls
 
 
 def test_enable_through_wrappers_and_model_chunks():

@@ -174,6 +174,29 @@ def test_verl_per_token_temperature_is_the_per_sample_one_laid_out_by_the_caller
         run(per_token[:, :-1])
 
 
+def test_verl_per_token_temperatures_divide_each_tokens_logits():
+    """Random per-token temperatures ``[b, s]`` (no two alike in a sample) against the stock
+    logits divided token by token: log-probs, entropies and every gradient."""
+    cfg = TinyModelConfig()
+    stock = build_tiny_model(cfg)
+    model = enable_output_processor(build_tiny_model(cfg))
+    batch = tiny_batch(cfg, batch_size=3)
+    labels = batch["labels"]
+    g = torch.Generator().manual_seed(4)
+    per_token = 0.5 + torch.rand(labels.shape, generator=g)
+    out = model(**batch, output_processor=VerlFusedProcessor(),
+                output_processor_context=FusedOutputProcessorContext(temperature=per_token))
+    w1, w2 = torch.rand(labels.numel(), generator=g), torch.rand(labels.numel(), generator=g)
+    (out.log_probs * w1 + out.entropy * w2).sum().backward()
+    logp = torch.log_softmax(_stock_logits(stock, batch) / per_token.unsqueeze(-1), -1)
+    ref_lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1).reshape(-1)
+    ref_ent = -(logp.exp() * logp).sum(-1).reshape(-1)
+    (ref_lp * w1 + ref_ent * w2).sum().backward()
+    torch.testing.assert_close(out.log_probs, ref_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.entropy, ref_ent.detach(), rtol=1e-5, atol=1e-5)
+    _close_grads(_grads(model), _grads(stock))
+
+
 def test_verl_processor_with_mtp_uses_the_fused_mtp_loss():
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 

@@ -450,7 +450,7 @@ def _install() -> None:
             module.torch = proxy
     mtp = _inference_linear_check_broken()
     if mtp is not None:
-        _ORIGINAL["is_inference_column_parallel_linear"] = mtp.is_inference_column_parallel_linear
+        _ORIGINAL["is_inference_column_parallel_linear"] = (mtp, mtp.is_inference_column_parallel_linear)
         mtp.is_inference_column_parallel_linear = _no_inference_linear
     _ORIGINAL["CudaRNGStatesTracker"] = mcore_random.CudaRNGStatesTracker
     _ORIGINAL["tracker"] = (
@@ -474,8 +474,8 @@ def _uninstall() -> None:
         if key in _ORIGINAL:
             sys.modules[name].torch = _ORIGINAL.pop(key)
     if "is_inference_column_parallel_linear" in _ORIGINAL:
-        sys.modules["megatron.core.transformer.multi_token_prediction"].is_inference_column_parallel_linear = (
-            _ORIGINAL.pop("is_inference_column_parallel_linear"))
+        mtp, check = _ORIGINAL.pop("is_inference_column_parallel_linear")
+        mtp.is_inference_column_parallel_linear = check
     mcore_random.CudaRNGStatesTracker = _ORIGINAL.pop("CudaRNGStatesTracker")
     # The tracker as it was before the scope, whatever the scope created or seeded.
     (
