@@ -75,10 +75,11 @@ def _(x, weight, ids, coef, vocab_start, group, sequence_parallel, chunk_size, d
 def _candidate_setup(ctx, inputs, output):
     (hidden, weight, ids, coef, vocab_start, group, sp, chunk_size, accumulator, placeholder,
      backend) = inputs[:11]
-    _, gathered = output
+    logits, gathered = output
     ctx.mark_non_differentiable(gathered)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(gathered if sp else hidden, weight, ids, coef)
+    # the logits: first_order's anchor (an output, attached to the inputs through this node)
+    ctx.save_for_backward(gathered if sp else hidden, weight, ids, coef, logits)
     ctx.args = (vocab_start, group, sp, chunk_size)
     ctx.accumulator = accumulator  # not saved: written by other backwards by design (as above)
     ctx.invariant = invariant(backend)
@@ -88,17 +89,19 @@ def _candidate_setup(ctx, inputs, output):
 def _candidate_backward(ctx, d_logits, _):
     if d_logits is None:
         return (None,) * 12
-    x, weight, ids, coef = ctx.saved_tensors
+    x, weight, ids, coef, logits = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     acc = ctx.accumulator if need_w else None
-    dx, dw = call(candidate_logits_backward, x, weight, ids, coef, *ctx.args, d_logits.float(), need_x,
-                                       need_w, acc, ctx.invariant)
+    with torch.no_grad():  # first_order below refuses a double backward (as the statistics')
+        dx, dw = call(candidate_logits_backward, x, weight, ids, coef, *ctx.args, d_logits.float(), need_x,
+                      need_w, acc, ctx.invariant)
     dx = dx.view(ctx.hidden_shape) if need_x else None
     if acc is not None:
         dw = guards.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None
     elif not need_w:
         dw = None
-    return (dx, dw) + (None,) * 10
+    return guards.first_order("the kept-set logits (linear_logprob_entropy)", dx, dw, anchor=logits,
+                              why="its gradients are made by operations that are not differentiated") + (None,) * 10
 
 
 register_autograd(candidate_logits, _candidate_backward, _candidate_setup)

@@ -160,7 +160,8 @@ def _warn_unreceived(ran: list) -> None:
 _WARN_LINE = _warn_unreceived.__code__.co_firstlineno
 
 
-def first_order(name: str, *grads: Optional[torch.Tensor], anchor: Optional[torch.Tensor] = None) -> tuple:
+def first_order(name: str, *grads: Optional[torch.Tensor], anchor: Optional[torch.Tensor] = None,
+                why: str = "its gradients are formed in the forward") -> tuple:
     """``grads`` as a backward returns them. Where they are being built with ``create_graph=True``
     (grad mode is on in the backward) each gets a node that raises if differentiated, as
     ``once_differentiable``'s do: gradients formed in the forward from float32 values that hold
@@ -168,7 +169,8 @@ def first_order(name: str, *grads: Optional[torch.Tensor], anchor: Optional[torc
     their derivative. ``anchor``: a saved output of the forward (the loss, a scalar), an input of
     that node too, so the node lies on every path from the gradients back to the forward's
     inputs: ``torch.autograd.grad(f(dX), x)`` reaches it and raises, rather than finding no
-    path and answering None (zero). (Compiled backwards refuse a double backward themselves.)"""
+    path and answering None (zero). ``why``: what makes them constants, for the error. (Compiled
+    backwards refuse a double backward themselves.)"""
     if not torch.is_grad_enabled() or tracing():
         return grads
     tensors = [g for g in grads if g is not None]
@@ -178,7 +180,7 @@ def first_order(name: str, *grads: Optional[torch.Tensor], anchor: Optional[torc
     if anchor is not None and anchor.requires_grad:
         inputs.append(anchor)
     err = torch._C._functions.DelayedError(
-        f"{name}: its gradients are formed in the forward, so they cannot be differentiated again "
+        f"{name}: {why}, so they cannot be differentiated again "
         "(a double backward, create_graph=True, is not supported)", len(inputs))
     out = err(*inputs)
     it = iter(out if isinstance(out, tuple) else (out,))

@@ -127,6 +127,11 @@ def _stats_setup(ctx, inputs, output):
     ctx.hidden_shape, ctx.placeholder = hidden.shape, placeholder
 
 
+# Named where a double backward is refused (guards.first_order), and why.
+_NAME = "the log-prob pass (linear_logprob_entropy)"
+_WHY = "its gradients are made from the forward's statistics (max, log-sum-exp) taken as constants"
+
+
 def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gathered, d_extra):
     x, weight, labels, valid, coef, m, log_s, entropy, extra_ids, extra, floor = ctx.saved_tensors
     accumulator = ctx.accumulator
@@ -136,15 +141,18 @@ def _stats_backward(ctx, d_logprob, d_entropy, _logz, _best, _m, _log_s, _gather
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     acc = accumulator if need_w else None
     e_g = d_extra.float() if d_extra is not None and extra_ids is not None else None
-    dx, dw = call(logsoftmax_stats_backward, x, weight, labels, valid, coef, *ctx.args, m, log_s,
-                  entropy, g1, g2, need_x, need_w, acc, extra_ids, e_g,
-                  extra if e_g is not None else None, floor)
+    # never differentiated (the statistics are constants to it): with create_graph=True the
+    # gradients are made as without, and first_order refuses their derivative
+    with torch.no_grad():
+        dx, dw = call(logsoftmax_stats_backward, x, weight, labels, valid, coef, *ctx.args, m, log_s,
+                      entropy, g1, g2, need_x, need_w, acc, extra_ids, e_g,
+                      extra if e_g is not None else None, floor)
     dx = dx.view(ctx.hidden_shape) if need_x else None
     if acc is not None:
         dw = guards.placeholder_grad_like(weight.shape, weight.dtype, weight.device) if ctx.placeholder else None
     elif not need_w:
         dw = None
-    return (dx, dw) + (None,) * (ctx.inputs - 2)
+    return guards.first_order(_NAME, dx, dw, anchor=entropy, why=_WHY) + (None,) * (ctx.inputs - 2)
 
 
 register_autograd(logsoftmax_stats, _stats_backward, _stats_setup)
@@ -184,12 +192,13 @@ class _OneRank(torch.autograd.Function):
                 log_s, entropy, d_logprob, d_entropy, need_x, need_w, acc)
             dx, dw = (dx if need_x else None), (dw if need_w and acc is None else None)
         else:
-            dx, dw = ctx.impl.grads(x, weight, coef, labels, m, log_s, entropy, d_logprob,
-                                    d_entropy, valid, chunk_size, need_x, need_w, acc)
+            with torch.no_grad():  # as the op's formula: first_order refuses a double backward
+                dx, dw = ctx.impl.grads(x, weight, coef, labels, m, log_s, entropy, d_logprob,
+                                        d_entropy, valid, chunk_size, need_x, need_w, acc)
         if acc is not None:
             dw = guards.placeholder_grad_like(weight.shape, weight.dtype, weight.device) \
                 if ctx.placeholder else None
-        return dx, dw, None, None
+        return guards.first_order(_NAME, dx, dw, anchor=entropy, why=_WHY) + (None, None)
 
 
 def _one_rank(hidden: Tensor, weight: Tensor, p: KernelParams, impl) -> tuple[Tensor, ...]:
