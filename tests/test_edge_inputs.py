@@ -172,6 +172,25 @@ def test_a_declared_forward_that_fails_halfway_leaves_no_partial_gradient(invari
     assert torch.equal(acc, before)
 
 
+def test_every_failed_declared_forward_says_main_grad_is_nan():
+    """Each failure sets the accumulator to NaN and costs a step its gradient: each says so, under
+    Python's default warning filters too (which showed the first of them only, once per code
+    location), as the unreceived-gradient warning does."""
+    import warnings
+
+    x0, w0, y = _data()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
+        for _ in range(3):
+            acc = torch.zeros(w0.shape)
+            with pytest.raises(MemoryError):
+                _declared(x0.clone().requires_grad_(), w0.clone().requires_grad_(), y, acc, chunk_size=4,
+                          loss=_FailsOnCall(4))
+            assert torch.isnan(acc).all()
+    assert sum("now NaN" in str(w.message) for w in seen) == 3, [str(w.message) for w in seen]
+
+
 def test_sglang_keeps_a_label_tied_with_the_kth_value_in_place_of_a_tie():
     """SGLang's top-k keeps exactly ``k`` by rank; among logits tied at the ``k``-th its sort is
     unspecified. The engine sampled the label, so it was in its set: a label tied with the

@@ -107,11 +107,19 @@ def adding_into(accumulator: Optional[torch.Tensor]):
         _ADDING.reset(token)
         if state["added"] and not finished:
             accumulator.fill_(math.nan)
-            warnings.warn(
-                "upstream_grad: the forward failed after adding part of its weight gradient into "
-                "the accumulator (Megatron's main_grad); it is now NaN, so that no step takes a "
-                "partial gradient: zero it (e.g. model.zero_grad_buffer()) before running the "
-                "step again", RuntimeWarning, stacklevel=3)
+            _warn_nan()
+
+
+def _warn_nan() -> None:
+    # every time (each is a step's gradient lost), not once per location: no registry
+    warnings.warn_explicit(
+        "upstream_grad: the forward failed after adding part of its weight gradient into the "
+        "accumulator (Megatron's main_grad); it is now NaN, so that no step takes a partial "
+        "gradient: zero it (e.g. model.zero_grad_buffer()) before running the step again",
+        RuntimeWarning, __file__, _NAN_LINE, module=__name__, registry=None)
+
+
+_NAN_LINE = _warn_nan.__code__.co_firstlineno
 
 
 def expect_backward(ctx) -> None:
