@@ -4,6 +4,7 @@ differentiated again, a forward that fails halfway, ties at a truncation's edge.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -483,3 +484,36 @@ def test_a_nucleus_by_floor_is_batch_invariant(engine):
     beside = run(torch.arange(70).roll(5))  # tokens 60-64 at places 65-69
     for name, a, b in zip(("logprob", "entropy", "label_outside", "dX"), alone, beside):
         assert torch.equal(a, b[65:70]), name
+
+
+# --------------------------------------------------------------------------- per-request options
+# (issue 57, the fourth review: items 2-5)
+
+_TRUNCATION_BACKENDS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") is not None else [])
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_a_whole_vocabulary_top_p_is_batch_invariant_at_every_call_size(engine):
+    """At V = 151936 the floor pass sorts 18 rows at a time. SGLang's rule sums each row's
+    probabilities (its normaliser), and a one-row step (a call of 1, 19, 37, ... tokens) summed
+    with another split than an 18-row step: a top-p cut moved (here token 61 of 64 on this
+    project's CPU, its floor 2.6e-6 apart). Every step's rows now have one shape: a token's
+    results and dX row are the same bits alone, in calls of 19 and 37 tokens, and in one of 64."""
+    g = torch.Generator().manual_seed(0)
+    v, h, n = 151936, 16, 64
+    w0 = torch.randn(v, h, generator=g) / 16  # a high-entropy head: top-p cuts deep in the row
+    x0 = torch.randn(n, h, generator=g)
+    y = torch.randint(0, v, (n,), generator=g)
+    t = Truncation(top_k=-1, top_p=0.9, engine=engine)
+
+    def run(rows):
+        x = x0[rows].clone().requires_grad_()
+        r = linear_logprob_entropy(x, w0, y[rows], truncation=t, backend="torch")
+        (r.logprob.sum() + r.entropy.sum()).backward()
+        return r.logprob.detach(), r.entropy.detach(), r.label_outside, x.grad
+
+    full = run(torch.arange(n))
+    for rows in (torch.tensor([61]), torch.arange(n - 19, n), torch.arange(n - 37, n)):
+        part = run(rows)
+        for name, a, b in zip(("logprob", "entropy", "label_outside", "dX"), part, full):
+            assert torch.equal(a, b[rows]), f"{len(rows)} tokens: {name}"

@@ -32,9 +32,11 @@ from .torch_chunked import _ALIGN, aligned_rows
 
 # Bytes of one group of sorted rows' work, and per logit of a row: its values (padded, and
 # sorted), ids and the sort's indices (8 bytes each), the rule's float32 rows (the cumulative
-# sum's, the masked values) and its kept ids: about 80 by count.
+# sum's, the masked values) and its kept ids: about 80 by count. At most _SORT_ROWS rows a
+# group: with batch invariance every group is padded to that many (a small call's few rows).
 _SORT_BYTES = 1 << 28
 _ROW_BYTES = 96
+_SORT_ROWS = 64
 
 
 @custom_op("mcore_hooks::truncation_floor", mutates_args=())
@@ -55,10 +57,17 @@ def truncation_floor(
     vp = -(-v_total // _ALIGN) * _ALIGN  # aligned rows: each row summed in one order (invariance)
     floor = torch.zeros((n, 2), dtype=_F32, device=x.device)
     outside = torch.zeros(n, dtype=torch.bool, device=x.device)
-    step = max(1, _SORT_BYTES // (_ROW_BYTES * vp))
+    step = max(1, min(_SORT_ROWS, _SORT_BYTES // (_ROW_BYTES * vp)))
+    # batch invariance: every group of rows the rule sees has `step` rows, whatever the call's size
+    # (a short one padded with rows of zeros, cut off after), so its row-wise sums (SGLang's
+    # normaliser), softmax and scans add each row in one order; a one-row group's sum was split
+    # otherwise, and moved a top-p cut
+    fixed = ops.invariant(backend)
     all_ids = torch.arange(vp, device=x.device)
     all_ids = torch.where(all_ids < v_total, all_ids, -1)
-    none = torch.zeros(n, dtype=torch.bool, device=x.device)  # options checked by the caller
+
+    def padded(t: Tensor, rows: int, fill: float) -> Tensor:
+        return t if t.shape[0] == rows else torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), fill)])
 
     def rule(start: int, end: int, z: Tensor) -> None:
         for a in range(start, end, step):
@@ -68,22 +77,28 @@ def truncation_floor(
             if world > 1:
                 zr = comm.gather_columns(zr, pg)  # the whole row: the rules sort it
             zr = aligned_rows(zr, -math.inf)  # padding: never a candidate
+            r = step if fixed else b - a
+            zr = padded(zr, r, 0.0)
+            lab = padded(labels[rows], r, -1)
+            none = torch.zeros(r, dtype=torch.bool, device=x.device)  # options checked by the caller
             if engine == "sglang":  # its rule is over the full vocabulary's probabilities
                 m = zr.amax(dim=1)
                 log_s = torch.log(torch.exp(zr - m.unsqueeze(1)).sum(dim=1))
             else:  # vLLM's takes none: no pass for them
-                m = log_s = none[rows].float()
-            ids = all_ids.expand(b - a, vp)
-            opts = trunc.TokenTruncation(top_k[rows], top_p[rows], min_p[rows], none[rows])
-            kept, _ = trunc.truncate(zr, ids, opts, engine, m, log_s, v_total, labels[rows], ids_ascending=True)
+                m = log_s = none.float()
+            ids = all_ids.expand(r, vp)
+            opts = trunc.TokenTruncation(padded(top_k[rows], r, v_total), padded(top_p[rows], r, 1.0),
+                                         padded(min_p[rows], r, 0.0), none)
+            kept, _ = trunc.truncate(zr, ids, opts, engine, m, log_s, v_total, lab, ids_ascending=True)
+            kept, zr, lab = kept[: b - a], zr[: b - a], lab[: b - a]
             # a prefix of the sorted row: its last entry is the floor
             last = kept.gather(1, ((kept >= 0).sum(dim=1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
             floor[rows, 0] = zr.gather(1, last.clamp(min=0).unsqueeze(1)).squeeze(1)
             cut = last
             if engine == "sglang":  # its label goes ahead of its ties: the last kept, no other tie is
-                cut = torch.where(last == labels[rows], -1, last)
+                cut = torch.where(last == lab, -1, last)
             floor[rows, 1] = torch.where(cut >= 0, cut - vocab_start, -1).float()  # exact below 2**24
-            outside[rows] = valid[rows] & ~cand.label_columns(kept, labels[rows])[0]
+            outside[rows] = valid[rows] & ~cand.label_columns(kept, lab)[0]
 
     ops._backend(backend, x.device).each_chunk(x, weight, coef, chunk_size, rule)
     return floor, outside
