@@ -492,6 +492,55 @@ def test_a_nucleus_by_floor_is_batch_invariant(engine):
 _TRUNCATION_BACKENDS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") is not None else [])
 
 
+@pytest.mark.parametrize("backend", _TRUNCATION_BACKENDS)
+def test_a_request_with_vllms_defaults_is_the_same_bits_beside_a_whole_vocabulary_top_p(backend):
+    """A request with vLLM's defaults (``top_k=-1, top_p=1, min_p=0``) keeps the whole
+    vocabulary: alone it takes the plain statistics pass. Beside a request with ``top_k=-1,
+    top_p=0.9`` both had the vocabulary's width, no groups formed, and it moved to the floor
+    route's passes (|d log-prob| 9.5e-7 on the Triton backend). Keeping everything is now a group
+    of its own: the same bits whoever its neighbours are (top-p without top-k, top-k 50, none)."""
+    per, h, v = 6, 16, 300
+    g = torch.Generator().manual_seed(14)
+    dtype = torch.float32 if backend == "torch" else torch.float16
+    w0 = (torch.randn(v, h, generator=g) / 2).to(dtype)
+    x0 = torch.randn(2 * per, h, generator=g).to(dtype)
+    y = torch.randint(0, v, (2 * per,), generator=g)
+
+    def run(other_k, other_p):
+        n = per if other_k is None else 2 * per
+        x, w = x0[:n].clone().requires_grad_(), w0.clone().requires_grad_()
+        ks, ps = [-1] * per, [1.0] * per
+        if other_k is not None:
+            ks, ps = ks + [other_k] * per, ps + [other_p] * per
+        t = Truncation(top_k=ks, top_p=ps, min_p=0.0)
+        r = linear_logprob_entropy(x, w, y[:n], truncation=t, backend=backend, temperature=0.8)
+        (r.logprob.sum() + 0.5 * r.entropy.sum()).backward()
+        return r.logprob[:per], r.entropy[:per], r.label_outside[:per], x.grad[:per]
+
+    alone = run(None, None)
+    for other in ((-1, 0.9), (50, 0.9), (-1, 1.0)):
+        beside = run(*other)
+        for name, a, b in zip(("logprob", "entropy", "label_outside", "dX"), alone, beside):
+            assert torch.equal(a, b), f"{other} {name}: {(a.float() - b.float()).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("top_k", [[8] * 4 + [20] * 4, [8] * 4 + [-1] * 4, [8] * 8], ids=["two widths", "a width and none", "one width"])
+@pytest.mark.parametrize("bad", ["top_p list of 10", "min_p tensor of 12", "top_p list of 2"])
+def test_per_request_options_of_another_length_are_refused_whatever_the_widths(top_k, bad):
+    """With two widths a ``top_p`` of 10 values or a ``min_p`` tensor of 12 for 8 tokens was used
+    silently (their first 8), and 2 values gave a bare IndexError; with one width each was
+    refused. Now each is refused, named, before anything runs, whatever the widths."""
+    x, w, y = _data(n=8, h=8, v=64, seed=2)
+    name, value = {
+        "top_p list of 10": ("top_p", [0.9] * 10),
+        "min_p tensor of 12": ("min_p", torch.full((12,), 0.05)),
+        "top_p list of 2": ("top_p", [0.9, 0.8]),
+    }[bad]
+    t = Truncation(top_k=top_k, **{name: value})
+    with pytest.raises(ValueError, match=rf"truncation\.{name}: expected one value or 8 \(one per token\)"):
+        linear_logprob_entropy(x, w, y, truncation=t, backend="torch")
+
+
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_a_whole_vocabulary_top_p_is_batch_invariant_at_every_call_size(engine):
     """At V = 151936 the floor pass sorts 18 rows at a time. SGLang's rule sums each row's

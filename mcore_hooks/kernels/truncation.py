@@ -128,37 +128,52 @@ class Truncation:
         top-k (``<= 0`` or past the vocabulary), ``top_p = 1`` and ``min_p = 0`` everywhere
         (vLLM's defaults). False where an option is on the device (never read from there), and
         where traced (a value read on the host would break the graph)."""
-        if self.engine != "vllm" or self.max_top_k is not None or tracing():
+        opts = self._host_options()
+        if opts is None:
             return False
+        k, p, m = opts
+        return bool(((k <= 0) | (k >= v_total)).all()) and bool((p == 1).all()) and bool((m == 0).all())
 
-        def host(value: Values) -> Optional[torch.Tensor]:
-            if isinstance(value, torch.Tensor):
-                return value if value.device.type == "cpu" else None
-            return torch.as_tensor(value)
-
-        k, p, m = host(self.top_k), host(self.top_p), host(self.min_p)
-        return (k is not None and p is not None and m is not None and bool(((k <= 0) | (k >= v_total)).all())
-                and bool((p == 1).all()) and bool((m == 0).all()))
+    def _host_options(self) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(top_k, top_p, min_p)`` as host tensors (0-d where one value), for vLLM's rule;
+        None where its keeping everything cannot be read on the host (SGLang's rule, whose
+        set drops what float32 rounds to 0; an option on the device; traced code)."""
+        if self.engine != "vllm" or self.max_top_k is not None or tracing():
+            return None
+        opts = (_host(self.top_k), _host(self.top_p), _host(self.min_p))
+        return None if any(o is None for o in opts) else opts  # type: ignore[return-value]
 
     def _groups(self, n: int, v_total: int) -> Optional[list[tuple[torch.Tensor, "Truncation"]]]:
-        """The tokens grouped by their own kept set's width, where each token's ``top_k`` is on
-        the host (a list or a CPU tensor of ``n``) and more than one width occurs: ``[(the
-        group's token indices (CPU), its options)]``, so that a token's set is as wide as its
-        own options make it, never as a wider request beside it makes it (the width decides
-        how its logits are made, and so their bits). Else None: one width, a device top-k (its
-        widths are not read from the device), or traced code (groups of data-dependent sizes
-        would break the graph: a compiled call sizes every token's set by the largest)."""
+        """The tokens grouped by how their own options make their kept set, where every token's
+        ``top_k`` is on the host (an int, a list or a CPU tensor) and more than one way occurs:
+        ``[(the group's token indices (CPU), its options)]``. A way is the set's width (the
+        width decides how its logits are made, and so their bits: a token's set is as wide as
+        its own options make it, never as a wider request beside it makes it), or, for vLLM's
+        rule, keeping the whole vocabulary (its defaults: the plain statistics pass, whatever
+        truncates beside it). Else None: one way, a device top-k (its widths are not read from
+        the device), or traced code (groups of data-dependent sizes would break the graph: a
+        compiled call sizes every token's set by the largest). Per-request options of another
+        length than ``n`` are refused, named, as :meth:`_per_token` refuses them."""
         top_k = self.top_k
-        if isinstance(top_k, int) or self.max_top_k is not None or tracing() or (
+        if self.max_top_k is not None or tracing() or (
                 isinstance(top_k, torch.Tensor) and top_k.device.type != "cpu"):
             return None
-        k = torch.as_tensor(top_k, dtype=torch.long)
-        if k.shape != (n,):
-            return None  # one per token or refused (_per_token names it)
+        k = _per_token_vector("top_k", top_k, n, torch.long)
+        for name in ("top_p", "min_p"):  # before any is sliced: a wrong length is refused, named
+            value = getattr(self, name)
+            if not isinstance(value, torch.Tensor) or value.device.type == "cpu":
+                _per_token_vector(name, value, n, torch.float32)
+            elif value.shape != (n,):
+                raise ValueError(f"truncation.{name}: expected one value or {n} (one per token), got "
+                                 f"shape {tuple(value.shape)}")
         ties = max(1, self.ties) if self.engine == "vllm" else self.ties
-        width = (torch.where((k <= 0) | (k > v_total), v_total, k) + ties).clamp(1, v_total)
-        widths = width.unique()
-        if widths.numel() < 2:
+        key = (torch.where((k <= 0) | (k > v_total), v_total, k) + ties).clamp(1, v_total)
+        opts = self._host_options()
+        if opts is not None:  # lengths checked above: each option one value or [n]
+            everything = ((opts[0] <= 0) | (opts[0] >= v_total)) & (opts[1] == 1) & (opts[2] == 0)
+            key = torch.where(everything.expand(n), 0, key)  # 0: never a width
+        keys = key.unique()
+        if keys.numel() < 2:
             return None
 
         def part(value: Values, index: torch.Tensor) -> Values:
@@ -168,8 +183,8 @@ class Truncation:
             return t[index.to(t.device)]
 
         groups = []
-        for w in widths.tolist():
-            index = (width == w).nonzero().squeeze(1)
+        for w in keys.tolist():
+            index = (key == w).nonzero().squeeze(1)
             groups.append((index, dataclasses.replace(self, top_k=k[index], top_p=part(self.top_p, index),
                                                       min_p=part(self.min_p, index))))
         return groups
@@ -178,20 +193,32 @@ class Truncation:
         """The options as ``[n]`` tensors on ``device`` (one value, or one per token), top-k
         normalised (none: the vocabulary), and which tokens' options are out of range (only
         where device values cannot be checked: such a token gives NaN)."""
-        def vec(name, v, dtype):
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                return torch.full((n,), v, dtype=dtype, device=device)
-            t = torch.as_tensor(v, dtype=dtype).to(device)
-            if t.shape != (n,):
-                raise ValueError(f"truncation.{name}: expected one value or {n} (one per token), got "
-                                 f"shape {tuple(t.shape)}")
-            return t
-
-        k = vec("top_k", self.top_k, torch.long)
+        k = _per_token_vector("top_k", self.top_k, n, torch.long, device)
         k = torch.where((k <= 0) | (k > v_total), v_total, k)
-        p, min_p = vec("top_p", self.top_p, torch.float32), vec("min_p", self.min_p, torch.float32)
+        p = _per_token_vector("top_p", self.top_p, n, torch.float32, device)
+        min_p = _per_token_vector("min_p", self.min_p, n, torch.float32, device)
         bad = ~((p > 0) & (p <= 1) & (min_p >= 0) & (min_p <= 1))  # NaN fails too
         return TokenTruncation(k, p, min_p, bad)
+
+
+def _per_token_vector(name: str, v, n: int, dtype: torch.dtype,
+                      device: Optional[torch.device] = None) -> torch.Tensor:
+    """One option as ``[n]`` (one value spread, or one per token), on ``device`` (the host
+    without one); another length refused, named."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return torch.full((n,), v, dtype=dtype, device=device)
+    t = torch.as_tensor(v, dtype=dtype)
+    if t.shape != (n,):
+        raise ValueError(f"truncation.{name}: expected one value or {n} (one per token), got "
+                         f"shape {tuple(t.shape)}")
+    return t if device is None else t.to(device)
+
+
+def _host(value: Values) -> Optional[torch.Tensor]:
+    """An option as a host tensor (a scalar stays 0-d), or None where it is on a device."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device.type == "cpu" else None
+    return torch.as_tensor(value)
 
 
 class TokenTruncation(NamedTuple):
