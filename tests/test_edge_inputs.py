@@ -541,6 +541,26 @@ def test_per_request_options_of_another_length_are_refused_whatever_the_widths(t
         linear_logprob_entropy(x, w, y, truncation=t, backend="torch")
 
 
+def test_the_weights_placeholder_is_one_whatever_the_grouping():
+    """``placeholder_weight_grad=True`` hands the weight a zero-stride zero gradient so that
+    Megatron DDP's hooks run. Per-request widths form groups, each of which handed the weight its
+    own placeholder, and autograd added them into a dense ``[V, H]`` zeros tensor (the weight's
+    size) before the weight's hooks saw it. Now one group hands it: the gradient the hooks get is
+    one element of storage, whatever the grouping."""
+    x0, w0, y = _data(n=8, h=16, v=200, seed=6)
+    for top_k in ([8] * 8, [8] * 4 + [20] * 4, [8] * 3 + [20] * 3 + [-1] * 2):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        handed = []
+        w.register_hook(lambda g: handed.append(g))  # what autograd hands the weight, summed
+        acc = torch.zeros(w.shape)
+        r = linear_logprob_entropy(x, w, y, truncation=Truncation(top_k=top_k, top_p=[0.9] * 8),
+                                   weight_grad_accumulator=acc, placeholder_weight_grad=True, backend="torch")
+        (r.logprob.sum() + r.entropy.sum()).backward()
+        assert len(handed) == 1 and handed[0].stride() == (0, 0), (top_k, handed[0].stride())
+        assert handed[0].untyped_storage().nbytes() == handed[0].element_size(), top_k
+        assert not bool(handed[0].any()) and bool(acc.abs().sum() > 0)
+
+
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_a_whole_vocabulary_top_p_is_batch_invariant_at_every_call_size(engine):
     """At V = 151936 the floor pass sorts 18 rows at a time. SGLang's rule sums each row's

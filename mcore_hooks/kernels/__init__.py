@@ -146,20 +146,22 @@ def linear_logprob_entropy(
         groups = None
         if truncation is not None and ops.invariant(p.backend) and not parallel.sequence_parallel:
             groups = truncation._groups(p.n, v_total)
-        if groups is not None:  # each request's kept set as wide as its own options make it
-            def group(index: torch.Tensor, t: Truncation) -> LogprobEntropy:
+        if groups is not None:  # each request's kept set made as its own options make it
+            def group(index: torch.Tensor, t: Truncation, first: bool) -> LogprobEntropy:
                 i = index.to(hidden.device)
                 temp = temperature
                 if isinstance(temp, torch.Tensor) and temp.dim() == 1 and temp.shape[0] == p.n:
                     temp = temp[i.to(temp.device)]
                 h = hidden.index_select(0, i)
+                # one placeholder a backward: the groups' would add into a dense [V, H] zeros
                 pg = _prepare(h, weight, labels[i.to(labels.device)], temp, logit_scale, ignore_index,
                               parallel, chunk_size, backend, accumulator=weight_grad_accumulator,
-                              dummy_weight_grad=placeholder_weight_grad, batch_invariant=batch_invariant)
+                              dummy_weight_grad=placeholder_weight_grad and first,
+                              batch_invariant=batch_invariant)
                 return _renormalised(h, weight, pg, t, None, v_total, index)
 
-            return _merged([group(index, t) for index, t in groups], [index for index, _ in groups],
-                           hidden.device)
+            return _merged([group(index, t, j == 0) for j, (index, t) in enumerate(groups)],
+                           [index for index, _ in groups], hidden.device)
         return _renormalised(hidden, weight, p, truncation, kept_ids, v_total)
     if selected_ids is not None:
         ids, bad = _id_matrix("selected_ids", selected_ids, p.n, v_total, hidden.device, p.valid)
