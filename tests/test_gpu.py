@@ -841,6 +841,59 @@ def test_a_nucleus_by_floor_is_batch_invariant_on_cuda(engine):
     _assert_alone_as_in_calls(run, 7, fewer=(1,))
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_whole_vocabulary_top_p_is_batch_invariant_on_cuda_at_odd_call_sizes(engine):
+    """At V = 151936 (the floor pass sorting 18 rows at a time; SGLang's rule summing each row)
+    a token's results, ``label_outside`` and dX row are the same bits alone and in calls of 19,
+    37 and 64 tokens (one-row groups, where the normaliser's sum used to be split otherwise), on
+    a high-entropy head where top-p cuts deep in the row."""
+    from mcore_hooks.kernels import Truncation, linear_logprob_entropy
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    v, h, n = 151936, 256, 64
+    w = (torch.randn(v, h, device="cuda", generator=g) / h**0.5 / 4).bfloat16()
+    x = torch.randn(n, h, device="cuda", generator=g).bfloat16()
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    t = Truncation(top_k=-1, top_p=0.9, engine=engine)
+
+    def run(rows):
+        xg = x[rows].clone().requires_grad_()
+        r = linear_logprob_entropy(xg, w, y[rows], truncation=t)
+        (r.logprob.sum() + r.entropy.sum()).backward()
+        return r.logprob.detach(), r.entropy.detach(), r.label_outside, xg.grad
+
+    full = run(torch.arange(n, device="cuda"))
+    for rows in ([n - 1], list(range(n - 19, n)), list(range(n - 37, n)), [18], [36]):
+        rows = torch.tensor(rows, device="cuda")
+        for k, (a, b) in enumerate(zip(run(rows), full)):
+            assert torch.equal(a, b[rows]), (len(rows), k)
+
+
+def test_a_request_with_vllms_defaults_is_the_same_bits_beside_any_neighbour_on_cuda():
+    """vLLM's defaults (``top_k=-1, top_p=1, min_p=0``) keep the whole vocabulary: the plain
+    statistics pass (the Triton kernels), alone or beside a request with top-p and no top-k
+    (which goes by a floor), with top-k 50 (gathered), or another with the defaults."""
+    from mcore_hooks.kernels import Truncation, linear_logprob_entropy
+
+    x, w, y, _, _ = _rollout_data(n=64, hidden=256, vocab=151936)
+    per = 32
+
+    def run(other):
+        n = per if other is None else 2 * per
+        xg = x[:n].clone().requires_grad_()
+        ks, ps = [-1] * per, [1.0] * per
+        if other is not None:
+            ks, ps = ks + [other[0]] * per, ps + [other[1]] * per
+        r = linear_logprob_entropy(xg, w, y[:n], truncation=Truncation(top_k=ks, top_p=ps))
+        (r.logprob.sum() + 0.5 * r.entropy.sum()).backward()
+        return r.logprob[:per], r.entropy[:per], r.label_outside[:per], xg.grad[:per]
+
+    alone = run(None)
+    for other in ((-1, 0.9), (50, 0.9), (-1, 1.0)):
+        for k, (a, b) in enumerate(zip(alone, run(other))):
+            assert torch.equal(a, b), (other, k)
+
+
 @pytest.mark.parametrize("loss", ["cross_entropy", "policy_loss"])
 def test_default_fused_losses_are_batch_invariant(loss):
     """The fused losses' default path (Triton, gradients formed in the forward, chunks sized from
