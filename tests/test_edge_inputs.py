@@ -502,9 +502,10 @@ def test_a_request_with_vllms_defaults_is_the_same_bits_beside_a_whole_vocabular
     per, h, v = 6, 16, 300
     g = torch.Generator().manual_seed(14)
     dtype = torch.float32 if backend == "torch" else torch.float16
-    w0 = (torch.randn(v, h, generator=g) / 2).to(dtype)
-    x0 = torch.randn(2 * per, h, generator=g).to(dtype)
-    y = torch.randint(0, v, (2 * per,), generator=g)
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # else Triton's interpreter
+    w0 = (torch.randn(v, h, generator=g) / 2).to(dev, dtype)
+    x0 = torch.randn(2 * per, h, generator=g).to(dev, dtype)
+    y = torch.randint(0, v, (2 * per,), generator=g).to(dev)
 
     def run(other_k, other_p):
         n = per if other_k is None else 2 * per
