@@ -36,9 +36,11 @@ from ddp_like import ddp_like
 PROCESSORS = ("logprob", "entropy", "logprob-entropy", "ce-none", "ce-sum", "ce-mean",
               "policy-token-mean", "policy-seq-mean-token-mean", "verl", "nemo-rl",
               # rollout parity: a sampling mask replayed (log-prob + entropy, the policy loss), a
-              # truncation recomputed (vLLM's rule; SGLang's with per-request options), log-probs of
-              # given ids, top-k distillation
-              "kept-replay", "kept-top-k", "kept-top-k-per-request", "kept-policy", "selected", "distill")
+              # truncation recomputed (vLLM's rule; SGLang's with per-request options; vLLM's with
+              # per-request widths, one request keeping everything), log-probs of given ids, top-k
+              # distillation
+              "kept-replay", "kept-top-k", "kept-top-k-per-request", "kept-mixed-widths", "kept-policy",
+              "selected", "distill")
 # option -> values; the first value is the plain one
 OPTIONS: dict[str, tuple] = {
     "processor": PROCESSORS,
@@ -314,6 +316,8 @@ def _processor(c: Combo, d: dict):
     if p == "kept-top-k-per-request":  # SGLang's rule, each sample (packed sequence) its own options
         return FusedLogprobProcessor(**inv, temperature=t, kept_set=Truncation(
             top_k=[5, -1], top_p=[0.85, 1.0], min_p=[0.0, 0.02], engine="sglang"))
+    if p == "kept-mixed-widths":  # vLLM's rule: a top-k of 3 (its own width), vLLM's defaults (all)
+        return FusedLogprobProcessor(**inv, temperature=t, kept_set=Truncation(top_k=[3, -1], top_p=[0.9, 1.0]))
     if p == "kept-policy":
         return PolicyLossProcessor(**inv, loss=PolicyLoss(entropy_coef=0.01), temperature=t, as_tuple=plan,
                                    kept_set="replay")
