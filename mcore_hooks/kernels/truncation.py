@@ -62,7 +62,8 @@ class Truncation:
             normalises it). Required: it bounds the kept set the kernels gather. Per request, a
             list or a CPU tensor: batch-invariant in eager calls, the tokens grouped by their own set's width
             (a request's results the same bits beside requests with a wider top-k, or none), one
-            pass a width; a set that may be the whole vocabulary (no top-k) is never gathered,
+            pass a width, and vLLM's defaults (no top-k, ``top_p = 1``, ``min_p = 0``: the whole
+            vocabulary, the plain statistics pass) a group of their own; a set that may be the whole vocabulary (no top-k) is never gathered,
             but given by a floor over the logits (:mod:`.nucleus`); or a device tensor with ``max_top_k``, which sizes every token's set (its
             widths are never read from the device). Processors keep a per-sample top-k on the
             host for unpacked batches; a packed batch's is spread on the device.
