@@ -159,6 +159,9 @@ class Truncation:
         if self.max_top_k is not None or tracing() or (
                 isinstance(top_k, torch.Tensor) and top_k.device.type != "cpu"):
             return None
+        one = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+        if one(top_k) and one(self.top_p) and one(self.min_p):
+            return None  # one request's options for every token: one way
         k = _per_token_vector("top_k", top_k, n, torch.long)
         for name in ("top_p", "min_p"):  # before any is sliced: a wrong length is refused, named
             value = getattr(self, name)
