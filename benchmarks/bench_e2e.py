@@ -154,7 +154,8 @@ def main() -> int:
     parser.add_argument("--dp", type=int, default=8,
                         help="data-parallel ranks the optimizer's state is sharded over (0: none held)")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None,
+                        help="where the rows go (default: benchmarks/results/e2e_<gpu>.json, replaced)")
     parser.add_argument("--repeat", action="store_true", help="run policy-loss twice (run-to-run noise)")
     args = parser.parse_args()
     import torch.distributed as dist
@@ -213,12 +214,14 @@ def main() -> int:
                 continue
             speed = f"{s['ms'] / b['ms']:.2f}x" if s is not None else "stock does not fit"
             print(f"| {tokens} | {m} | {b['recompute']} | {b['ms']:.1f} | {b['peak_mib']} | {speed} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "dp": args.dp, "rows": rows,
-                       "best": [dict(tokens=t, method=m, **({} if b is None else
-                                                             {k: b[k] for k in ("recompute", "ms", "peak_mib")}))
-                                for (t, m), b in best.items()]}, f, indent=1)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from report import default_path, run_meta, write_result  # benchmarks/report.py
+
+    write_result(args.json or default_path("e2e"), "bench_e2e.py",
+                 [{"meta": run_meta(dp=args.dp), "rows": rows,
+                   "best": [dict(tokens=t, method=m, **({} if b is None else
+                                                        {k: b[k] for k in ("recompute", "ms", "peak_mib")}))
+                            for (t, m), b in best.items()]}])
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     return 0

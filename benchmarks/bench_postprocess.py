@@ -8,7 +8,8 @@ For each shape (tokens x hidden x vocab, bf16) and method it reports the median 
 ``do_bench``, CUDA events) and the peak memory allocated beyond the inputs, forward-only (no
 grad, as when computing old log-probs) and forward+backward (gradients to hidden states and output
 weight); then the accuracy of log-prob and entropy against float64 on ordinary and hard logits.
-Writes ``bench.json``, ``RESULTS.md`` (date, device, versions, command) and ``bench.png``.
+Writes ``benchmarks/results/postprocess_<gpu>.json`` (date, device, versions, command) and its
+plot beside it (``.png``); ``benchmarks/report.py`` renders them into ``benchmarks/RESULTS.md``.
 """
 
 from __future__ import annotations
@@ -398,7 +399,9 @@ def tp2(shape, rep_ms) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/out")
+    ap.add_argument("--json", default=None,
+                    help="where the run goes (default: benchmarks/results/postprocess_<gpu>.json, replaced; "
+                         "its plot beside it as .png)")
     ap.add_argument("--tp2", action="store_true", help="also time TP=2 on two GPUs (first shape)")
     ap.add_argument("--quick", action="store_true", help="first shape only, shorter timing")
     ap.add_argument("--methods", default=None, help="comma-separated substrings to select methods")
@@ -406,7 +409,6 @@ def main() -> int:
     ap.add_argument("--shapes", type=int, default=None, help="the first N shapes only")
     ap.add_argument("--grpo-all-shapes", action="store_true", help="GRPO methods at every shape (default: the first)")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     rep_ms = args.rep_ms or (300 if args.quick else 600)
 
     import torch.distributed as dist
@@ -478,13 +480,15 @@ def main() -> int:
     for r in acc:
         print(json.dumps(r), flush=True)
     blob = dict(meta=meta, results=results, tp2=tp2_row, accuracy=acc)
-    with open(os.path.join(args.out, "bench.json"), "w") as f:
-        json.dump(blob, f, indent=1)
-    from report import plot, write_results_md  # benchmarks/report.py
+    from report import default_path, plot, postprocess_lines, run_meta, write_result  # benchmarks/report.py
 
-    write_results_md(blob, os.path.join(args.out, "RESULTS.md"))
-    plot(blob, os.path.join(args.out, "bench.png"))
-    print(open(os.path.join(args.out, "RESULTS.md")).read())
+    meta.setdefault("commit", run_meta()["commit"])
+    meta.setdefault("gpu", meta.get("device"))
+
+    path = args.json or default_path("postprocess")
+    write_result(path, "bench_postprocess.py", [blob])
+    plot(blob, path.rsplit(".", 1)[0] + ".png")
+    print("\n".join(postprocess_lines(blob)))
     return 0
 
 

@@ -406,7 +406,9 @@ def main() -> int:
     ap.add_argument("--shape", default="0.5b", choices=list(SHAPES))  # h512: a small model, the head's share largest
     ap.add_argument("--layers", type=int, default=0, help="layers (default: the shape's)")
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None,
+                    help="where the results go (default: benchmarks/results/step_<gpu>.json; the run of "
+                         "this --shape replaces that shape's, the other shapes' stay)")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="timed steps of each path")
     ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for a layout")
     args = ap.parse_args()
@@ -442,9 +444,11 @@ def main() -> int:
         if failed:  # the other ranks wait in a collective for the one that failed
             p.terminate()
         p.join(timeout=120)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"shape": args.shape, "results": results}, f, indent=1)
+    from report import default_path, run_meta, write_result  # benchmarks/report.py
+
+    write_result(args.json or default_path("step"), "bench_step.py",
+                 [{"meta": run_meta(gpu=f"{args.gpus} x {torch.cuda.get_device_name()}", shape=args.shape),
+                   "results": results}], key="shape")
     print(f"| layout ({args.shape}) | " + " | ".join(f"{p} ms" for p in args.paths)
           + " | logprob / policy / policy_main_grad x stock | peak MiB (" + " / ".join(args.paths)
           + ") | output weight grad rel diff | max grad rel diff (param) | max logprob diff |")

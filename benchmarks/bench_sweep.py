@@ -41,12 +41,16 @@ import copy
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 import time
 from typing import Callable, Optional
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import STOCK_OF, default_path, load_rows, ratio, run_meta, summary, write_result  # noqa: E402
 
 HIDDEN = [896, 1024, 1536, 2048, 3584, 4096, 8192]
 TOKENS = [256, 512, 2048, 8192, 32768]
@@ -174,15 +178,6 @@ def measure_cell(steps: dict[str, tuple[Callable[[], None], list]], rounds: int)
         if not rows[n].get("oom"):
             rows[n]["wall"] = statistics.median(rows[n]["wall_rounds"])
     return rows
-
-
-def ratio(r: dict, stock: dict) -> float:
-    """A path's wall over its stock path's: the median of the rounds' ratios where both were
-    timed in the same rounds (:func:`measure_cell`), else of the walls."""
-    a, b = r.get("wall_rounds"), stock.get("wall_rounds")
-    if a and b and len(a) == len(b) and len(a) > 1:
-        return statistics.median(x / y for x, y in zip(a, b))
-    return r["wall"] / stock["wall"]
 
 
 # --------------------------------------------------------------------------- the entry points
@@ -497,67 +492,14 @@ def host_profile(path: str, n: int, h: int, v: int, calls: int = 30) -> None:
     print(kp.key_averages().table(sort_by="cuda_time_total", row_limit=20))
 
 
-STOCK_OF = {"lp": "stock_lp", "ce": "stock_ce", "liger_ce": "stock_ce", "policy": "stock_policy",
-            "policy_main_grad": "stock_policy_main_grad",
-            "policy_main_grad_declared": "stock_policy_main_grad"}
-# the issue's bar: the log-prob pass within 1.1x of stock, the fused losses no slower
-BAR = {"lp": 1.1, "ce": 1.0, "policy": 1.0, "policy_main_grad": 1.0, "policy_main_grad_declared": 1.0}
-
-
-def summary(rows: list[dict]) -> str:
-    """Markdown: per vocabulary, a row per (tokens, hidden): each entry point's wall time over
-    its stock path's (* past the bar), then the entry points' launches (fewest-most) and most
-    host ms, and the stock paths' most host ms (the back-to-back ``host_b2b`` where the run has
-    it, else the single call's ``host``; Megatron's cross-entropy left out of stock's, as it
-    waits on the device at large calls)."""
-    by = {(r["tokens"], r["hidden"], r["vocab"], r["path"]): r for r in rows if r["section"] == "entry"}
-    paths = ["lp", "ce", "policy", "policy_main_grad", "policy_main_grad_declared", "liger_ce"]
-    out = []
-    for v in sorted({k[2] for k in by}, reverse=True):
-        out += [f"\nVocabulary {v}: wall / stock's wall (`*`: past the bar; OOM: out of memory)\n",
-                "| tokens | hidden | " + " | ".join(paths) + " | launches | host ms (most) | stock host ms (most) |",
-                "|---" * (len(paths) + 5) + "|"]
-        for n, h in sorted({(k[0], k[1]) for k in by if k[2] == v}):
-            cells, launches, host, shost = [], [], 0.0, 0.0
-            for p in paths:
-                r, s_ = by.get((n, h, v, p)), by.get((n, h, v, STOCK_OF[p]))
-                if r is None or r.get("oom"):
-                    cells.append("" if r is None else "OOM")
-                    continue
-                if p != "liger_ce":
-                    launches.append(r["launches"])
-                    host = max(host, r.get("host_b2b", r["host"]))
-                if s_ is None or s_.get("oom"):
-                    cells.append(f"{r['wall']:.0f} ms, stock OOM")
-                    continue
-                if STOCK_OF[p] != "stock_ce":
-                    shost = max(shost, s_.get("host_b2b", s_["host"]))
-                x = ratio(r, s_)
-                cells.append(f"{x:.2f}{'*' if x > BAR.get(p, 99) else ''}")
-            lo, hi = (min(launches), max(launches)) if launches else (None, None)
-            span = "" if lo is None else f"{lo}-{hi}" if lo < hi else f"{lo}"
-            out.append(f"| {n} | {h} | " + " | ".join(cells) + f" | {span} | {host:.2f} | {shost:.2f} |")
-    return "\n".join(out)
-
-
-def _load(path: str) -> list[dict]:
-    """A run's rows: the JSON list ``--json`` writes, or the JSON lines a run prints."""
-    with open(path) as f:
-        text = f.read()
-    try:
-        rows = json.loads(text)
-        return rows if isinstance(rows, list) else [rows]  # a one-row JSON-lines file
-    except json.JSONDecodeError:
-        return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, nargs="+", default=HIDDEN)
     ap.add_argument("--tokens", type=int, nargs="+", default=TOKENS)
     ap.add_argument("--vocab", type=int, nargs="+", default=VOCAB)
     ap.add_argument("--section", nargs="+", default=["entry", "hook"], choices=["entry", "hook"])
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None,
+                    help="where the rows go (default: benchmarks/results/sweep_<gpu>.json, replaced)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each cell's walls this many times, its paths taking turns; ratios "
                          "are the medians of the rounds' (host-bound cells drift between runs)")
@@ -572,7 +514,7 @@ def main() -> int:
                     help="cProfile these paths at the first tokens / hidden / vocab instead")
     args = ap.parse_args()
     if args.report:
-        print(summary([r for f in args.report for r in _load(f)]))
+        print(summary([r for f in args.report for r in load_rows(f)]))
         return 0
     from mcore_hooks.testing import model_parallel, quiet_megatron
 
@@ -593,9 +535,7 @@ def main() -> int:
             rows += run_entry(args.hidden, args.tokens, args.vocab, args.paths, args.rounds)
         if "hook" in args.section:
             rows += run_hook(args.hidden, args.tokens, args.vocab, args.rounds)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f)
+    write_result(args.json or default_path("sweep"), "bench_sweep.py", [{"meta": run_meta(), "rows": rows}])
     for section in args.section:
         print(table(rows, section))
     return 0

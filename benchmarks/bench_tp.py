@@ -526,7 +526,9 @@ def report(meta: dict, results: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/out")
+    ap.add_argument("--out", default="benchmarks/out", help="the markdown report's folder")
+    ap.add_argument("--json", default=None,
+                    help="where the results go (default: benchmarks/results/tp_<gpu>.json, replaced)")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--shapes", type=int, nargs="+", default=[0, 1], help="indices into SHAPES")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
@@ -573,8 +575,12 @@ def main() -> int:
         for c in res.get("check", []):
             print(json.dumps(c), flush=True)
         results.append(res)
-        with open(os.path.join(args.out, "bench_tp.json"), "w") as f:  # after every degree
-            json.dump(dict(meta=meta, results=results), f, indent=1)
+        from report import default_path, run_meta, write_result  # benchmarks/report.py
+
+        meta.setdefault("commit", run_meta()["commit"])
+
+        write_result(args.json or default_path("tp"), "bench_tp.py",  # after every degree
+                     [dict(meta=meta, results=results)])
     text = report(meta, results)
     with open(os.path.join(args.out, "bench_tp.md"), "w") as f:
         f.write(text)

@@ -43,6 +43,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import socket
 import statistics
@@ -375,7 +376,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=280, help="seconds for each tree's process")
-    ap.add_argument("--json", default=None, help="write the rows (and meta) here")
+    ap.add_argument("--json", default=None,
+                    help="where the rows (and meta) go (default: benchmarks/results/verl_<gpu>.json; this "
+                         "case's run replaces the same case's, the other cases' stay)")
     ap.add_argument("--logs", default=None, help="keep each tree's output in this folder")
     ap.add_argument("--child", choices=("patched", "released"), help=argparse.SUPPRESS)
     ap.add_argument("--tree-dir", help=argparse.SUPPRESS)
@@ -426,9 +429,13 @@ def main() -> None:
             row.update(agree)
             rows.append(row)
             print(json.dumps(row))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from report import default_path, run_meta, write_result  # benchmarks/report.py
+
+    meta["commit"] = run_meta()["commit"]
+    meta["gpu"] = meta["device"]
+    write_result(a.json or default_path("verl", gpu=meta["device"] or "cpu"), "bench_verl.py",
+                 [{"meta": meta, "rows": rows}], key="shape")
     temps = "per-sample temperatures" if a.per_sample else f"temperature {a.temperature}"
     print(f"\n{meta['device']}, bf16, V={a.vocab}, H={a.hidden}, {a.layers} layers + {a.mtp} MTP (trained), "
           f"{a.sequences} packed sequences, {temps}, entropy {'on' if a.entropy else 'off'}; median of {a.iters} steps\n")
