@@ -87,8 +87,8 @@ except ImportError:  # pragma: no cover
 # a call at hidden 896, the host's work longer than the GPU's below 2048 tokens.
 _BWD_CHUNK_BYTES = 1 << 30
 # Fewest vocab splits of the forward grid: 4 measured fastest with TMA loads (32.9 ms, against
-# 35.1 at 8; benchmarks/profile_h200_tma.log; measured on one launch over the whole call, before
-# the programs in groups of _FWD_GROUP tokens).
+# 35.1 at 8; benchmarks/results/profile_kernels_h200.log; measured on one launch over the whole
+# call, before the programs in groups of _FWD_GROUP tokens).
 _MIN_SPLITS = 4
 # Segments the statistics kernel cuts the vocabulary into (the last may be shorter): each
 # token's statistics are formed per segment and added in segment order, so they do not depend
@@ -98,13 +98,13 @@ _MIN_SPLITS = 4
 # at 32 a 256-token call left half the SMs idle (64 programs), and a TP 2 / 4 shard's 10- or
 # 5-tile segments gave its 8 splits 4 segments where 3.75 was the mean. 256 against 32, H200,
 # the statistics pass (kernel and merge), ms (benchmarks/profile_kernels.py --segments 32 256,
-# benchmarks/segments_256_h200.log):
+# benchmarks/results/profile_kernels_h200.log):
 #   - 256 tokens x 151936: 0.856 -> 0.606 (hidden 4096), 1.628 -> 1.171 (8192);
 #   - 16384 x 4096, TP shards of 151936: 17.72 -> 16.22 (V/2), 8.63 -> 7.93 (V/4), 4.63 -> 4.32 (V/8);
 #   - full vocabularies (151936, 128256, 64128, 32000) and 512-2048 tokens: within 3% either way
-#     in that run (an earlier one: 4.9% slower at 128256; benchmarks/segments_rule_h200.log);
+#     in that run (an earlier one: 4.9% slower at 128256; benchmarks/results/profile_kernels_h200.log);
 #   - 512 x 1536 x 32000: 0.125 -> 0.151 (the merge walks 125 segments; that call is bound by
-#     the host's 1 ms, not the GPU's; benchmarks/segments_rule_h200.log).
+#     the host's 1 ms, not the GPU's; benchmarks/results/profile_kernels_h200.log).
 _SEGMENTS = 256
 # Tokens per group of the statistics kernel's programs (16 row blocks of 128: with the splits
 # that fill an H100/H200 once, one wave; the groups follow one another in one launch).
@@ -139,9 +139,9 @@ _USE_TMA = True
 # Multiply-adds of a product (N x V x H) below which its operands are loaded by pointers. The
 # descriptors cost the host: a pair costs 30-40 us a launch (their making, 10-19 us, and the
 # launcher's encoding of them: 37-49 us against 13-23 for the kernels without;
-# benchmarks/launches_h200.log). They save such a kernel 3-6% of its GPU time, which counts
+# benchmarks/results/profile_calls_h200.log). They save such a kernel 3-6% of its GPU time, which counts
 # only where the GPU, not the host, bounds the call. H200, 2^34 against 2^37 in one process
-# (benchmarks/tma_threshold_h200.log, profile_calls.py --tma-threshold):
+# (benchmarks/results/profile_calls_h200.log, profile_calls.py --tma-threshold):
 #   - at 2^35 multiply-adds (256 x 4096 and 512 x 2048 x 32000), pointers took less host time in
 #     all 8 (shape, path) pairs: 0.05-0.22 ms a call of 0.94-1.74, and the wall fell 4-22%;
 #   - at 3.9 x 2^34 the host fell in 7 of 8 pairs and the wall in 6 (policy into main_grad 5-7%
@@ -198,9 +198,9 @@ def forward_splits(row_blocks: int, vtiles: int, sms: int, min_splits: int = _MI
     shorter programs were slower, though the old cost (waves x units) ranked them first: at
     2048 x 4096 x 151936 on an H200, 198 segments in 33 splits (4 waves) took 4.27 ms, where 32
     segments in 8 splits took 3.93 in the same run, and 198 in 8 splits 3.93-3.95 in two others
-    (``benchmarks/segments_rule_h200.log``, ``segments_256_h200.log``). Likely, not measured:
-    each wave re-reads the weight for its row blocks, where one wave reads it once for the
-    group. Where none fits (more than ``sms / min_splits`` row
+    (``benchmarks/results/profile_kernels_h200.log``: its --segments run and the split rule's
+    probe). Likely, not measured: each wave re-reads the weight for its row blocks, where one
+    wave reads it once for the group. Where none fits (more than ``sms / min_splits`` row
     blocks): waves x units per program, the fewest splits within 2% of the least (a rule of
     two programs per SM had left a last wave of a few programs: 4096 x 4096 x 151936 took 9.38
     ms with it, 7.75 with this; ``--splits``)."""
@@ -270,7 +270,7 @@ class TritonFused(TritonRows, Backend):
     # Losses with gradients in the forward: bytes of one token chunk's logit gradient plus half
     # a chunk of fp32 logits. Larger chunks mean fewer passes of cuBLAS over the fp32 dW accumulator (V x H x 8
     # bytes each): at 16384 x 4096 x 151936 on an H200, dW runs at 91% of the matmul ceiling with
-    # 4096-token chunks, 85% with 2048 (benchmarks/profile_h200_ce.log).
+    # 4096-token chunks, 85% with 2048 (benchmarks/results/profile_kernels_h200.log).
     fused_chunk_bytes = 5 << 29
     # Where dW goes into an accumulator in the forward (a declared upstream gradient) no float32
     # [V, H] buffer is held and the chunk is most of the memory: 1.5 GiB, 2560-token chunks at
