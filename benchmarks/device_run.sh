@@ -7,6 +7,8 @@
 # tp: bench_tp.py: TP=N against TP=1 with the ranks sharing GPU 0 (gloo), then the timings at every
 # TP degree the machine has GPUs for, with Liger's native TP loss where benchmarks/get_liger_tp.sh
 # put liger-cute-kernels' Hopper core in .whl/lck_sm90.tar.xz.
+# Results land in $OUT; a current one replaces benchmarks/results/<bench>_<gpu>.json (what the
+# programs write by default), then `python benchmarks/report.py` regenerates benchmarks/RESULTS.md.
 set -uo pipefail
 what=${1:-all}
 out=${OUT:-benchmarks/out}
@@ -49,8 +51,8 @@ if [ "$what" = rollout ]; then
   timeout 540 python3 benchmarks/bench_rollout.py 2>&1 | tee "$out/bench_rollout.log" | grep -v '^{' | tail -60 || rc=1
 fi
 if [ "$what" = tp ]; then
-  timeout 240 python3 benchmarks/bench_tp.py --emulate --check-only --tp 2 4 --out "$out/tp_check" 2>&1 | tee "$out/tp_check.log" | grep -v '^{' | tail -50 || rc=1
-  timeout 540 python3 benchmarks/bench_tp.py --out "$out/tp" 2>&1 | tee "$out/tp.log" | grep -v '^{' | tail -40 || rc=1
+  timeout 240 python3 benchmarks/bench_tp.py --emulate --check-only --tp 2 4 --out "$out/tp_check" --json "$out/tp_check/tp.json" 2>&1 | tee "$out/tp_check.log" | grep -v '^{' | tail -50 || rc=1
+  timeout 540 python3 benchmarks/bench_tp.py --out "$out/tp" --json "$out/tp/tp.json" 2>&1 | tee "$out/tp.log" | grep -v '^{' | tail -40 || rc=1
 fi
 if [ "$what" = invariance ]; then
   shapes=("4096 151936 1024 4096 16384 65536" "8192 128256 1024 4096 32768")
@@ -77,8 +79,8 @@ if [ "$what" = e2e ]; then
   timeout -k 5 580 python3 benchmarks/bench_e2e.py --tokens 8192 16384 --dp 8 --json "$out/e2e.json" 2>&1 | tee "$out/e2e.log" || rc=1
 fi
 if [ "$what" = quick ]; then
-  timeout 400 python3 benchmarks/bench_postprocess.py --quick --tp2 --out "$out" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -40 || rc=1
+  timeout 400 python3 benchmarks/bench_postprocess.py --quick --tp2 --json "$out/postprocess.json" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -40 || rc=1
 elif [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 560 python3 benchmarks/bench_postprocess.py --tp2 --rep-ms 400 --out "$out" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -60 || rc=1
+  timeout 560 python3 benchmarks/bench_postprocess.py --tp2 --rep-ms 400 --json "$out/postprocess.json" 2>&1 | tee "$out/bench.log" | grep -v '^{' | tail -60 || rc=1
 fi
 exit $rc

@@ -900,7 +900,7 @@ def test_default_fused_losses_are_batch_invariant(loss):
     the call; token weights that do not follow the batch): a token's log-prob, entropy and dX row
     are bitwise equal in calls of 1 to 16384 tokens, first in the call or last. Their logits and
     dX come from ``logits`` / ``hidden_grad``'s kernels, each row summed in one order (cuBLAS's
-    logits rows changed at M = 1 and 2 at this very shape: benchmarks/RESULTS.md)."""
+    logits rows changed at M = 1 and 2 at this very shape: git show 5992123:benchmarks/RESULTS.md)."""
     from mcore_hooks.kernels import PolicyLoss, linear_cross_entropy, linear_policy_loss
 
     x, w, y, _, _ = _rollout_data(n=16384, hidden=1024, vocab=32003)

@@ -396,7 +396,7 @@ def test_forward_splits_keep_a_groups_programs_in_one_wave():
 def test_a_fused_loss_keeps_its_logit_gradient_only_for_few_tokens():
     """The Triton fused losses form dW in the backward from the kept logit gradient up to 1024
     tokens and 512 MiB of it (faster there: no float32 dW written, read and scaled), in float32
-    in the forward past either (benchmarks/RESULTS.md, 2026-11-27); never with an accumulator,
+    in the forward past either (git show 5992123:benchmarks/RESULTS.md, 2026-11-27); never with an accumulator,
     sequence parallelism, more than one chunk, or the torch backend. Shapes alone, as the fake
     sees."""
     from mcore_hooks.kernels.loss_op import _defers_weight_grad
