@@ -50,3 +50,27 @@ def test_the_check_fails_on_a_stale_file(tmp_path):
     out = subprocess.run([sys.executable, str(BENCH / "report.py"), "--check", "--out", str(stale)],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 1 and "stale" in out.stderr
+
+
+def _report():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("benchmarks_report", BENCH / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_program_writes_its_own_file_and_a_re_run_replaces_its_case(tmp_path):
+    """default_path names a result file by benchmark and GPU; write_result with a key replaces the
+    run of the same case and keeps the others (bench_step.py's shapes, bench_verl.py's cases)."""
+    import json
+
+    report = _report()
+    assert report.gpu_tag("NVIDIA H200") == "h200" and report.gpu_tag("NVIDIA H100 80GB HBM3") == "h100"
+    assert report.default_path("step", gpu="NVIDIA H200") == str(BENCH / "results" / "step_h200.json")
+    path = tmp_path / "step_h200.json"
+    for shape, ms in (("0.5b", 1.0), ("7b", 2.0), ("0.5b", 3.0)):
+        report.write_result(str(path), "bench_step.py", [{"meta": {"shape": shape, "gpu": "x"}, "ms": ms}], key="shape")
+    runs = json.loads(path.read_text())["runs"]
+    assert sorted((r["meta"]["shape"], r["ms"]) for r in runs) == [("0.5b", 3.0), ("7b", 2.0)]
