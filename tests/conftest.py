@@ -3,6 +3,33 @@ import os
 import pytest
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full", action="store_true", default=False,
+        help="the whole suite: also the tests marked slow (CI runs it; the default is a few minutes on 2 cores)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without ``--full``, the tests marked ``slow`` are deselected, unless asked for by node id
+    (``file::test``) or by a ``-m`` expression that names ``slow``."""
+    if config.getoption("--full") or "slow" in (config.option.markexpr or ""):
+        return
+    if any("::" in arg for arg in config.args):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+        config._mcore_hooks_slow = len(slow)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = getattr(config, "_mcore_hooks_slow", 0)
+    if n:
+        terminalreporter.write_line(f"{n} slow tests deselected: `pytest --full` runs them too (CI does)")
+
+
 def pytest_configure(config):
     # Megatron Core's notes about itself on a CPU machine (missing TE/Apex, deprecated classes),
     # by message; every other warning still shows in the summary.

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from mcore_hooks._quiet import KNOWN_NOTES
 
 CLI = [sys.executable, "-m", "mcore_hooks"]
@@ -24,6 +26,7 @@ def test_help_says_what_the_tool_does():
     assert bad.returncode == 2 and "invalid choice: 'check'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_verify_reports_the_verdict_first_and_the_table_on_request():
     """The verdict on the second line (then only failing rows), not at the end of 400 rows; the
     whole table with --table; no notes Megatron prints about a machine without CUDA."""
@@ -52,6 +55,7 @@ def test_version_and_the_commands_own_usage_in_its_errors():
         assert bad.returncode == 2 and bad.stderr.startswith("usage: mcore-hooks verify ") and says in bad.stderr
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_ends_quietly_with_the_checks_status():
     proc = subprocess.Popen(CLI + QUICK + ["--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # `| head -0`: nobody reads the report
@@ -60,6 +64,7 @@ def test_a_closed_pipe_ends_quietly_with_the_checks_status():
     assert b"BrokenPipeError" not in err and b"Traceback" not in err, err.decode()
 
 
+@pytest.mark.slow
 def test_usage_errors_are_one_line_and_exit_2():
     """A tensor-parallel size the tiny models cannot split over, or a class the release lacks:
     a one-line usage error (exit 2), never a traceback or a 'mismatch' exit 1."""

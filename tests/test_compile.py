@@ -105,6 +105,7 @@ def _context(kind, g):
 
 @pytest.mark.parametrize("dynamic", [None, True], ids=["automatic-dynamic", "dynamic"])
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_every_processor_compiles_whole(case, dynamic):
     """``torch.compile(fullgraph=True)`` around each bundled processor and both integrations:
     no graph break, and the eager values and gradients (hidden states and weight); with

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import random
 
+import pytest
+
 from configuration_space import OPTIONS, covering_set, merged, random_combos, readme_table, run_all, table
 from mcore_hooks.testing import run_on_ranks
 
@@ -37,6 +39,7 @@ def test_the_covering_set_covers_every_pair():
     assert all(valid(vars(r)) for r in rows)
 
 
+@pytest.mark.slow
 def test_every_pair_of_options_is_exact_or_refused():
     """... and docs/testing.md's matrix is this run's (regenerate it with
     ``python tests/configuration_space.py``)."""

@@ -563,6 +563,7 @@ def test_the_weights_placeholder_is_one_whatever_the_grouping():
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.slow
 def test_a_whole_vocabulary_top_p_is_batch_invariant_at_every_call_size(engine):
     """At V = 151936 the floor pass sorts 18 rows at a time. SGLang's rule sums each row's
     probabilities (its normaliser), and a one-row step (a call of 1, 19, 37, ... tokens) summed

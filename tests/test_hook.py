@@ -410,6 +410,7 @@ def _tp2_checks():
     return rows, shapes
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_matches_stock_with_and_without_sequence_parallel():
     """verify's checks at TP=2: hook off and DefaultProcessor bitwise, fused processors within
     their fp32 tolerance; under SP the processor sees this rank's [s/tp, b, h] shard."""

@@ -324,6 +324,7 @@ def test_pipeline_order_with_a_dropped_micro_batch(name, mg):
 
 @pytest.mark.parametrize("fullgraph", [True, False], ids=["fullgraph", "graph-breaks-allowed"])
 @pytest.mark.parametrize("name,mg", COMBOS)
+@pytest.mark.slow
 def test_compiled_then_eager_and_back(name, mg, fullgraph):
     """The same step eager, compiled (``torch.compile`` around the processor: DDP's hook runs
     and the weight is marked at run time, not only where traced), eager again, from a zeroed

@@ -54,6 +54,7 @@ def _logits64(kwargs, temperature=1.0):
     return (logits / t).transpose(0, 1)
 
 
+@pytest.mark.slow
 def test_every_processor_matches_stock_on_every_class_tp1():
     rows = run_checks()
     names = {r.processor for r in rows}

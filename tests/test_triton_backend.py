@@ -68,8 +68,9 @@ SHAPES = [  # (tokens, hidden, vocab): nothing divisible by the tiles
     (37, 40, 301),
     (130, 64, 257),
     (5, 16, 1),
-    (129, 96, 1031),
-    (40, 512, 1100),  # hidden >= the vocab tile: the gradient chunk lives in the dX output
+    pytest.param((129, 96, 1031), marks=pytest.mark.slow),
+    # hidden >= the vocab tile: the gradient chunk lives in the dX output
+    pytest.param((40, 512, 1100), marks=pytest.mark.slow),
 ]
 if ON_GPU:
     SHAPES += [(1000, 512, 32003), (4099, 1024, 151936 // 8 + 3)]
@@ -337,6 +338,7 @@ def _assert_same_bits(ours: list, theirs: list) -> None:
 @pytest.mark.parametrize("case", ["plain", "entropy only", "log-prob only", "weight only",
                                   "hidden only", "main_grad", "main_grad placeholder", "no grad",
                                   "retained graph", "compiled autograd"])
+@pytest.mark.slow
 def test_the_one_rank_eager_function_is_the_op(case, monkeypatch):
     """On one rank, eager, the log-prob pass runs under its own autograd Function
     (``stats_op._OneRank``) instead of the op's generic eager Function (``dispatch._Eager``):
@@ -386,6 +388,7 @@ def test_the_one_rank_eager_function_is_the_op(case, monkeypatch):
 @pytest.mark.parametrize("case", ["gradients", "no grad", "labels outside the vocabulary",
                                   "logit scale", "ignored only", "int temperature",
                                   "vocab start"])
+@pytest.mark.slow
 def test_the_prologue_folded_into_the_statistics_pass_is_the_prologue(case, monkeypatch):
     """The log-prob pass with its per-token inputs formed by the statistics kernel (a scalar
     coefficient) and its merge (validity, coefficient, local rows), instead of the prologue's
@@ -444,6 +447,7 @@ def test_the_prologue_folded_into_the_statistics_pass_is_the_prologue(case, monk
                                   "hidden only", "main_grad", "main_grad placeholder", "chunks",
                                   "cross entropy main_grad chunks", "retained graph",
                                   "compiled autograd", "double backward", "declared upstream"])
+@pytest.mark.slow
 def test_the_one_rank_fused_loss_function_is_the_op(case, monkeypatch):
     """On one rank, eager, a fused loss with its gradients formed in the forward runs under its
     own autograd Function (``loss_op._OneRankLoss``) instead of the op's generic eager Function
@@ -513,6 +517,7 @@ def test_the_one_rank_fused_loss_function_is_the_op(case, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.slow
 def test_the_backwards_vocabulary_chunks_leave_dx_the_same_bits(dtype, monkeypatch):
     """dX's sum over the vocabulary runs tile after tile in one order however the memory budget
     cuts the vocabulary into chunks (a float32 partial sum carried between them): one chunk,
@@ -545,6 +550,7 @@ def test_the_backwards_vocabulary_chunks_leave_dx_the_same_bits(dtype, monkeypat
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.slow
 def test_triton_fused_loss_adds_a_declared_upstream_gradient_in_the_forward(dtype, route):
     """The policy loss with ``upstream_grad``: ``upstream_grad * dW`` is in the float32
     accumulator once the forward returns (whatever the route the hidden size would choose
@@ -650,6 +656,7 @@ def test_triton_is_deterministic():
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.slow
 def test_upstream_gradients_are_read_as_autograd_gives_them(backend):
     """The backward reads the outputs' gradients as they come: broadcast (a sum's, stride 0),
     None for an unused entropy, NaN at ignored tokens (never read there). Each form gives the
@@ -680,6 +687,7 @@ def test_upstream_gradients_are_read_as_autograd_gives_them(backend):
 
 @pytest.mark.parametrize("count", [None, 32])  # the shipped count (one-tile segments at these
 # vocabularies); fewer, of several tiles each
+@pytest.mark.slow
 def test_a_tokens_statistics_do_not_depend_on_the_call(monkeypatch, count):
     """No mode asked for: a token's log-prob and entropy are the same bits alone, first in a call
     or after others, across the statistics kernel's launches (one per ``_FWD_GROUP`` tokens),
@@ -718,6 +726,7 @@ def test_a_tokens_statistics_do_not_depend_on_the_call(monkeypatch, count):
 
 @pytest.mark.parametrize("v", [301, 320])  # a masked vocabulary tail; whole steps (sm_90: boxes)
 @pytest.mark.parametrize("family", [t.name for t in triton_tiles.TILES])
+@pytest.mark.slow
 def test_the_fused_losses_products_do_not_depend_on_the_call(family, v):
     """The fused losses' logits ``x @ W.T`` and ``dX = dz @ W`` (every family's tiles): a row is
     the same bits alone, first, or after others across a row block's edge, in calls of 7 to n
@@ -866,6 +875,7 @@ def test_triton_vocab_parallel_2_ranks():
 
 
 @pytest.mark.parametrize("shape", SHAPES[:4], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.slow
 def test_tensor_descriptor_loads_match_pointer_loads(shape, monkeypatch):
     """The TMA (tensor-descriptor) tile loads give the same bits as the pointer loads (the
     loads differ, not the products' order)."""
@@ -1043,6 +1053,7 @@ def _shared_memory_report(family: str, capability: int) -> list[int]:
     [("sm_80", 80, 163 * 1024), ("sm_86", 86, 99 * 1024), ("sm_86", 89, 99 * 1024),
      ("sm_86", 120, 99 * 1024)],
 )
+@pytest.mark.slow
 def test_each_familys_tiles_fit_that_gpu(family, capability, limit):
     """The tiles chosen for GPUs this project has no access to, compiled for them: their
     kernels need no more shared memory than the selection's estimate, which fits the GPU."""
@@ -1094,6 +1105,7 @@ def test_the_prologue_kernel_matches_the_torch_form(per_token):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.slow
 def test_triton_fused_loss_adds_its_weight_gradient_into_an_accumulator(dtype, route):
     """The policy loss with an accumulator (Megatron's main_grad) and no declared upstream
     gradient: the backward adds ``grad * dW`` into it, by each route (dW kept in float32 or
@@ -1126,6 +1138,7 @@ def test_triton_fused_loss_adds_its_weight_gradient_into_an_accumulator(dtype, r
     assert rel(acc - 1, dw) < GRAD_TOL[dtype] / 8
 
 
+@pytest.mark.slow
 def test_strided_per_token_inputs_are_read_as_given(route):
     """Per-token inputs given as strided views (a column of a [N, 2] tensor, an expanded
     scalar) give the same bits as contiguous copies: the kernels read a token's value at its
