@@ -29,8 +29,8 @@ if [ -d .cdsl2 ] && [ -f /tmp/cdsl/cu12part.aa ]; then
     && echo "nvidia-cutlass-dsl installed"
 fi
 if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = quick ] || [ "$what" = profile ] || [ "$what" = ce ] || [ "$what" = splits ]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore -rs -s -m gpu tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -25 || rc=1
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -W ignore tests/test_triton_backend.py 2>&1 | tee "$out/triton_tests.log" | tail -4 || rc=1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --full -W ignore -rs -s -m gpu tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -25 || rc=1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --full -W ignore tests/test_triton_backend.py 2>&1 | tee "$out/triton_tests.log" | tail -4 || rc=1
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 300 python3 -m mcore_hooks verify --device cuda --tp 1 2>&1 | tee "$out/verify_cuda.log" | tail -3 || rc=1
