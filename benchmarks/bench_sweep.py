@@ -198,7 +198,7 @@ class _IntoMainGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        from mcore_hooks.kernels.matmul import addmm_f32_
+        from mcore_hooks.kernels.common.matmul import addmm_f32_
 
         x, w = ctx.saved_tensors
         addmm_f32_(ctx.main_grad, g.t(), x)
@@ -521,7 +521,7 @@ def main() -> int:
     print(f"{datetime.date.today()} {torch.cuda.get_device_name()} torch {torch.__version__} "
           f"command: {' '.join(sys.argv)}", flush=True)
     if args.route != "auto":
-        from mcore_hooks.kernels import triton_fused
+        from mcore_hooks.kernels.triton_backend import triton_fused
 
         triton_fused.TritonFused.forward_gradients_min_hidden = 0 if args.route == "forward" else 1 << 30
     rows: list[dict] = []

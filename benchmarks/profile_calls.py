@@ -153,7 +153,7 @@ def host_parts(shape) -> None:
     import collections
 
     from mcore_hooks.kernels import linear_logprob_entropy
-    from mcore_hooks.kernels import triton_fused, triton_rows
+    from mcore_hooks.kernels.triton_backend import triton_fused, triton_rows
 
     x, w, y, _ = _inputs(*shape)
 
@@ -226,7 +226,7 @@ def host_parts(shape) -> None:
 
 
 def launches(shape, paths, rounds: int = 8) -> None:
-    """The launches of small calls, with :class:`~mcore_hooks.kernels.launch.FastLaunch`'s direct
+    """The launches of small calls, with :class:`~mcore_hooks.kernels.triton_backend.launch.FastLaunch`'s direct
     launches and with Triton's own: each launch inside a call taken apart under Triton's path
     (its argument binder, the compiled kernel's launcher, the rest of ``JITFunction.run``; from
     Triton's internals, a probe), then each path's host time a call (back-to-back), the two
@@ -237,7 +237,7 @@ def launches(shape, paths, rounds: int = 8) -> None:
 
     from triton.runtime import driver
 
-    from mcore_hooks.kernels import launch, triton_fused, triton_rows
+    from mcore_hooks.kernels.triton_backend import launch, triton_fused, triton_rows
 
     direct = launch.FastLaunch._launch
 
@@ -321,7 +321,7 @@ def descriptors(shapes, paths, thresholds=None, rounds: int = 3) -> None:
 
     import triton.testing
 
-    from mcore_hooks.kernels import triton_fused
+    from mcore_hooks.kernels.triton_backend import triton_fused
 
     rule = triton_fused._TMA_MIN_WORK
     thresholds = thresholds or (0, rule)
@@ -381,8 +381,8 @@ def dx_tiles(shape) -> None:
 
     import triton.testing
 
-    from mcore_hooks.kernels import triton_fused as tf
-    from mcore_hooks.kernels import triton_tiles as tt
+    from mcore_hooks.kernels.triton_backend import triton_fused as tf
+    from mcore_hooks.kernels.triton_backend import triton_tiles as tt
 
     n, h, v = shape
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -421,9 +421,9 @@ def dw_routes(shape) -> None:
     pass in the backward; each also into a float32 ``main_grad``."""
     import triton.testing
 
-    from mcore_hooks.kernels import triton_fused as tf
-    from mcore_hooks.kernels.loss_op import _weight_grad, accumulate_weight_grad_
-    from mcore_hooks.kernels.matmul import mm_f32
+    from mcore_hooks.kernels.triton_backend import triton_fused as tf
+    from mcore_hooks.kernels.passes.loss_op import _weight_grad, accumulate_weight_grad_
+    from mcore_hooks.kernels.common.matmul import mm_f32
 
     n, h, v = shape
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -457,7 +457,9 @@ def timeline(shape, calls: int = 300) -> None:
     import statistics
 
     import mcore_hooks.kernels as K
-    from mcore_hooks.kernels import dispatch, launch, stats_op, triton_fused
+    from mcore_hooks.kernels.common import dispatch
+    from mcore_hooks.kernels.triton_backend import launch, triton_fused
+    from mcore_hooks.kernels.passes import stats_op
 
     x, w, y, _ = _inputs(*shape)
     marks: list = []
@@ -593,7 +595,7 @@ def main() -> None:
     if args.timeline:
         timeline(args.shape or (256, 896, 32000))
     if args.dz_group:
-        from mcore_hooks.kernels import triton_fused
+        from mcore_hooks.kernels.triton_backend import triton_fused
 
         triton_fused._DZ_GROUP = args.dz_group
     if args.dw_routes:

@@ -15,8 +15,8 @@ def main() -> None:
     import triton
     import triton.testing
 
-    from mcore_hooks.kernels import candidates as cand
-    from mcore_hooks.kernels import triton_fused as tf
+    from mcore_hooks.kernels.passes import candidates as cand
+    from mcore_hooks.kernels.triton_backend import triton_fused as tf
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)

@@ -35,7 +35,7 @@ import torch
 import triton.testing
 
 from mcore_hooks.kernels import linear_cross_entropy, linear_logprob_entropy, linear_policy_loss
-from mcore_hooks.kernels.matmul import addmm_f32_, mm_f32
+from mcore_hooks.kernels.common.matmul import addmm_f32_, mm_f32
 
 
 def median_ms(fn, reps: int = 10) -> float:

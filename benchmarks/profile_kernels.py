@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.testing
 
-from mcore_hooks.kernels import triton_fused as tf
-from mcore_hooks.kernels import triton_tiles as tt
+from mcore_hooks.kernels.triton_backend import triton_fused as tf
+from mcore_hooks.kernels.triton_backend import triton_tiles as tt
 
 
 def bench(fn) -> float:
@@ -201,7 +201,7 @@ def compare_tma(x, w, coef, label, flop, ceiling) -> None:
 def profile_ce(x, w, label, flop, ceiling) -> None:
     """linear_cross_entropy fwd+bwd per chunk budget, and its parts per chunk (x chunk count)."""
     from mcore_hooks.kernels import linear_cross_entropy
-    from mcore_hooks.kernels.arguments import _fused_chunk_size
+    from mcore_hooks.kernels.passes.arguments import _fused_chunk_size
 
     n, h = x.shape
     v = w.shape[0]
@@ -263,7 +263,7 @@ def _time_and_peak(run, clear) -> tuple[float, float]:
 
 def _ce_parts(x, w, label, c, flop, ceiling) -> None:
     """Each pass of one chunk of ``c`` tokens (logits in half chunks), times the number of chunks."""
-    from mcore_hooks.kernels.matmul import addmm_f32_, mm_f32
+    from mcore_hooks.kernels.common.matmul import addmm_f32_, mm_f32
 
     n, h = x.shape
     v = w.shape[0]

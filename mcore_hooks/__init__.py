@@ -24,12 +24,16 @@ verify`` (or ``python -m mcore_hooks verify``) checks the bundled processors aga
 
 Layers (a module imports only from the modules listed before it; ``tests/test_structure.py``
 reads every import and fails on a cycle, on ``kernels`` importing anything but torch, triton and
-itself, on ``compat`` importing the package, and on a module other than ``hooked`` importing
-postprocess, mtp and schedule_plan together):
+itself or its sub-packages importing against their order, on ``compat`` importing the package, on
+a module other than ``hooked`` importing postprocess, mtp and schedule_plan together, and on a
+folder of more than 15 modules):
 
 1. ``kernels`` — the math on plain tensors and process groups, as ``torch.library`` ops: torch
    and triton only (with its value-check switch), never Megatron Core nor the rest of the
-   package, so it can be read, used and tested alone.
+   package, so it can be read, used and tested alone. Its ``__init__`` is the entry points; its
+   sub-packages, each importing only those after it: ``kept_sets`` (a rollout's kept sets and
+   truncation), ``passes`` (the custom ops and their arguments), ``torch_backend`` and
+   ``triton_backend``, ``common`` (options, the backends' shared algebra, communication).
 2. ``compat`` — what the installed Megatron Core has (feature detection, release-specific call
    shapes), importing nothing of the package; ``main_grad`` — Megatron's gradient-accumulation
    fusion hand-off (torch only). Release differences are found by feature detection, through

@@ -19,7 +19,7 @@ from mcore_hooks.kernels import (
     linear_logprob_entropy,
     linear_policy_loss,
 )
-from mcore_hooks.kernels.invariant import InvariantBlocks, block_rows
+from mcore_hooks.kernels.common.invariant import InvariantBlocks, block_rows
 from mcore_hooks.testing import hook_keywords
 
 H, V, PROBE = 256, 1000, 7
@@ -82,8 +82,8 @@ def _call(kind, x, w, y, kept, rows, parallel=None):
 
 @pytest.fixture(params=["gather", "dense"])
 def path(request, monkeypatch):
-    """Both ways the ids' logits are made (kernels/candidates.py)."""
-    from mcore_hooks.kernels import candidates
+    """Both ways the ids' logits are made (kernels/passes/candidates.py)."""
+    from mcore_hooks.kernels.passes import candidates
 
     monkeypatch.setattr(candidates, "gathers", lambda k, v: request.param == "gather")
     return request.param
@@ -221,7 +221,7 @@ def test_every_processor_through_the_hook_is_batch_invariant_by_default():
 def test_the_opt_out_is_taken_and_checked(monkeypatch):
     """``batch_invariant=False`` reaches the kernels: the torch backend runs on the call's own
     shapes, no fixed blocks; a non-bool is refused before anything runs."""
-    from mcore_hooks.kernels import ops, stats_op
+    from mcore_hooks.kernels.passes import ops, stats_op
 
     names = []
     real = ops._backend
@@ -293,7 +293,7 @@ def test_a_tokens_results_do_not_depend_on_the_rest_of_the_call_over_four_ranks(
 def _ordered_sums(rank: int, world: int) -> tuple:
     """Order-sensitive terms (magnitudes 1e-3 to 1e8) summed by batch invariance's two
     reductions; ``[13, 3]``: not a multiple of the group's size (padded)."""
-    from mcore_hooks.kernels import comm
+    from mcore_hooks.kernels.common import comm
 
     g = torch.Generator().manual_seed(10 + rank)
     t = torch.randn(13, 3, generator=g) * 10.0 ** torch.randint(-3, 9, (13, 3), generator=g)

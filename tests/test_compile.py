@@ -24,9 +24,8 @@ from mcore_hooks import (
 )
 from mcore_hooks.integrations import NemoRLLogprobProcessor, VerlFusedProcessor
 from mcore_hooks.integrations.verl import FusedOutputProcessorContext
-from mcore_hooks.kernels import (
-    PolicyLoss, candidates_op, linear_cross_entropy, linear_logprob_entropy, linear_policy_loss, loss_op,
-    stats_op)
+from mcore_hooks.kernels import PolicyLoss, linear_cross_entropy, linear_logprob_entropy, linear_policy_loss
+from mcore_hooks.kernels.passes import candidates_op, loss_op, stats_op
 from mcore_hooks.testing import hook_keywords
 
 

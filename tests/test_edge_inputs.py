@@ -12,7 +12,7 @@ import torch
 
 from mcore_hooks.kernels import (PolicyLoss, Truncation, linear_cross_entropy, linear_logprob_entropy,
                                  linear_policy_loss)
-from mcore_hooks.kernels.debug import debug_checks
+from mcore_hooks.kernels.common.debug import debug_checks
 
 pytestmark = pytest.mark.release_independent
 
@@ -359,7 +359,8 @@ def test_a_request_without_top_k_does_not_widen_the_others(monkeypatch):
     whole vocabulary (``[tokens, V]`` kept logits for all). Its tokens are now a group of their
     own, whose top-p nucleus goes by a floor (no kept set made at all): the others' kept logits
     stay as narrow as their own options."""
-    from mcore_hooks.kernels import candidates_op, nucleus
+    from mcore_hooks.kernels.passes import candidates_op
+    from mcore_hooks.kernels.kept_sets import nucleus
 
     shapes, floors = [], []
     real, real_floor = candidates_op.logits_of, nucleus.renormalised
@@ -395,7 +396,7 @@ def test_a_truncation_that_keeps_everything_takes_the_full_distribution(monkeypa
     tokens take the statistics pass (no ``[tokens, V]`` kept set), equal to the kept-set path
     to float32 rounding and to the plain full-vocabulary call bit for bit; beside a truncated
     request, only that request's tokens build a kept set."""
-    from mcore_hooks.kernels import candidates_op
+    from mcore_hooks.kernels.passes import candidates_op
 
     v, per = 300, 5
     x0, w0, y = _data(n=2 * per, h=8, v=v, seed=9)

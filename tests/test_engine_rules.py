@@ -20,7 +20,7 @@ import torch
 
 from mcore_hooks import LogprobEntropyProcessor, PolicyLossProcessor, debug_checks
 from mcore_hooks.kernels import Truncation, linear_logprob_entropy, linear_policy_loss
-from mcore_hooks.kernels import truncation
+from mcore_hooks.kernels.kept_sets import truncation
 from mcore_hooks.rollout import sampling_mask_ids
 from mcore_hooks.testing import hook_keywords
 from tolerances import C, grad_bounds, logit_grad_reference, logprob_error, ratio

@@ -88,7 +88,7 @@ def test_a_kept_logit_gradient_is_scaled_in_float32_on_the_gpu(dtype):
     """The Triton pass scaling a fused loss's kept logit gradient by the upstream gradient:
     float32 products rounded once (torch's CUDA mul of a 16-bit tensor by a float32 scalar
     tensor rounds the scalar first), as the torch form does."""
-    from mcore_hooks.kernels.loss_op import _scaled_logit_grad
+    from mcore_hooks.kernels.passes.loss_op import _scaled_logit_grad
 
     g = torch.Generator(device="cuda").manual_seed(3)
     dz = (torch.randn(64, 5000, device="cuda", generator=g) * 1e-3).to(dtype)

@@ -312,7 +312,7 @@ def test_vocab_parallel_matches_unsplit(world):
     ],
 )
 def test_triton_tiles_are_chosen_by_compute_capability_and_shared_memory(capability, shared_memory, family):
-    from mcore_hooks.kernels import triton_tiles
+    from mcore_hooks.kernels.triton_backend import triton_tiles
 
     tiles = triton_tiles.tiles_for(capability, shared_memory)
     assert (tiles.name if tiles else None) == family
@@ -324,7 +324,9 @@ def test_triton_tiles_are_chosen_by_compute_capability_and_shared_memory(capabil
 def test_backend_in_use_is_visible(caplog, monkeypatch):
     import logging
 
-    from mcore_hooks.kernels import arguments, backend_for, triton_tiles
+    from mcore_hooks.kernels.passes import arguments
+    from mcore_hooks.kernels import backend_for
+    from mcore_hooks.kernels.triton_backend import triton_tiles
 
     assert backend_for(torch.float32, "cpu") == "torch"
     with pytest.raises(ValueError, match="backend: expected one of"):
@@ -350,7 +352,7 @@ def _check_forward_splits(row_blocks: int, vtiles: int, sms: int) -> None:
     count fits the GPU at once, a one-wave grid whose programs walk within 2% of the fewest
     units any one-wave count gives them; where none fits, a grid within 2% of the one the
     earlier fixed rule (the fewest splits giving two programs per SM) launched."""
-    from mcore_hooks.kernels.triton_fused import forward_splits
+    from mcore_hooks.kernels.triton_backend.triton_fused import forward_splits
 
     s = forward_splits(row_blocks, vtiles, sms)
     assert min(4, vtiles) <= s <= vtiles
@@ -387,7 +389,7 @@ def test_forward_splits_keep_a_groups_programs_in_one_wave():
     # one wave, not 33 splits in four waves of shorter programs (fewer units a program, yet
     # 4.27 ms against 3.93-3.95 on an H200; likely the weight read again for each wave's row
     # blocks); 256 tokens (2 row blocks): 66 splits fill the GPU.
-    from mcore_hooks.kernels.triton_fused import forward_splits
+    from mcore_hooks.kernels.triton_backend.triton_fused import forward_splits
 
     assert forward_splits(16, 198, 132) == 8
     assert forward_splits(2, 198, 132) == 66
@@ -399,7 +401,7 @@ def test_a_fused_loss_keeps_its_logit_gradient_only_for_few_tokens():
     in the forward past either (git show 5992123:benchmarks/RESULTS.md, 2026-11-27); never with an accumulator,
     sequence parallelism, more than one chunk, or the torch backend. Shapes alone, as the fake
     sees."""
-    from mcore_hooks.kernels.loss_op import _defers_weight_grad
+    from mcore_hooks.kernels.passes.loss_op import _defers_weight_grad
 
     def defers(n, v=151936, backend="triton", chunk=1 << 20, sp=False, need_w=True, into=False):
         w = torch.empty((v, 8), dtype=torch.bfloat16, device="meta")
@@ -419,7 +421,7 @@ def test_a_kept_logit_gradient_is_scaled_in_float32_and_rounded_once():
     already computes in float32, so this guards the torch form's formula, and
     tests/test_gpu.py the Triton pass's); a new tensor, the kept one left for a retained
     graph's second backward."""
-    from mcore_hooks.kernels.loss_op import _scaled_logit_grad
+    from mcore_hooks.kernels.passes.loss_op import _scaled_logit_grad
 
     g = torch.Generator().manual_seed(5)
     dz = (torch.randn(8, 300, generator=g) * 1e-3).bfloat16()
@@ -438,8 +440,8 @@ def test_the_triton_fused_losses_make_a_chunks_logits_at_once_where_they_fit():
     call of one chunk is sized to its own tokens, so the chunk size cannot say so); past that,
     and on the torch backend (whose fixed-shape blocks set their tiling through the chunk
     size), half a chunk at a time."""
-    from mcore_hooks.kernels.autograd import Backend
-    from mcore_hooks.kernels.triton_fused import TritonFused
+    from mcore_hooks.kernels.common.autograd import Backend
+    from mcore_hooks.kernels.triton_backend.triton_fused import TritonFused
 
     tri, v = TritonFused(), 151936
     fits = TritonFused.fused_chunk_bytes // (v * 6)  # bf16 logit gradient + float32 logits
@@ -455,7 +457,7 @@ def test_the_triton_fused_losses_make_a_chunks_logits_at_once_where_they_fit():
 def test_forward_splits_fills_one_wave_where_the_fixed_rule_left_a_sliver():
     # 4096 tokens (32 row blocks of 128) x 151936 vocab (594 tiles of 256) on 132 SMs: the fixed
     # rule's 9 splits launch 288 programs, three waves, the last of 24; 4 splits launch one wave.
-    from mcore_hooks.kernels.triton_fused import forward_splits
+    from mcore_hooks.kernels.triton_backend.triton_fused import forward_splits
 
     assert forward_splits(32, 594, 132) == 4
     assert _grid_cost(32, 594, 132, 4) == 149 < _grid_cost(32, 594, 132, 9) == 198

@@ -1,4 +1,4 @@
-""":class:`~mcore_hooks.kernels.launch.FastLaunch`'s choice between a direct launch and Triton's
+""":class:`~mcore_hooks.kernels.triton_backend.launch.FastLaunch`'s choice between a direct launch and Triton's
 own, on stand-ins for Triton's kernel and driver (no GPU): Triton's path wherever its internals
 are not of the form read, a grid is a function, or a hook would see the launch. (The direct
 launches themselves, against Triton's: tests/test_triton_backend.py on a GPU.)"""
@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from mcore_hooks.kernels import launch  # noqa: E402
+from mcore_hooks.kernels.triton_backend import launch  # noqa: E402
 
 pytestmark = pytest.mark.release_independent
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_hooks.kernels import matmul
+from mcore_hooks.kernels.common import matmul
 
 pytestmark = pytest.mark.release_independent
 

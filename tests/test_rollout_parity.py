@@ -58,9 +58,9 @@ def _entropy_error(ref, x, w):
 
 @pytest.fixture(params=["gather", "dense"])
 def path(request, monkeypatch):
-    """Both ways of making the ids' logits (kernels/candidates.py: gathered weight rows for a
+    """Both ways of making the ids' logits (kernels/passes/candidates.py: gathered weight rows for a
     narrow K, columns of a dense product for a wide one), whatever these small shapes pick."""
-    from mcore_hooks.kernels import candidates
+    from mcore_hooks.kernels.passes import candidates
 
     monkeypatch.setattr(candidates, "gathers", lambda k, v: request.param == "gather")
     return request.param

@@ -5,6 +5,9 @@
   one);
 * ``mcore_hooks.kernels`` imports torch, triton and the standard library only: never Megatron
   Core, never the rest of the package;
+* ``mcore_hooks.kernels``' sub-packages import one way (entry points, kept sets, passes,
+  backends, common), and each says in its docstring what it holds;
+* no folder of the package holds more than 15 modules;
 * ``mcore_hooks.compat`` imports no module of this package;
 * only ``mcore_hooks.hooked`` imports ``postprocess``, ``mtp`` and ``schedule_plan`` together.
 """
@@ -107,6 +110,42 @@ def test_kernels_import_torch_and_triton_only():
             assert _external(name) <= allowed, f"{name} imports {_external(name) - allowed}"
 
 
+# mcore_hooks.kernels' sub-packages, each importing only those after it (the entry points,
+# mcore_hooks.kernels itself, import any); the two backends are side by side
+KERNEL_LAYERS = [{"kept_sets"}, {"passes"}, {"torch_backend", "triton_backend"}, {"common"}]
+
+
+def _kernels_part(name: str) -> str:
+    """The sub-package of ``mcore_hooks.kernels`` that module ``name`` is in ("" for the package)."""
+    rest = name[len(f"{PACKAGE}.kernels"):].lstrip(".")
+    return rest.split(".")[0]
+
+
+def test_kernels_subpackages_import_one_way():
+    parts = {p.name for p in (ROOT / "kernels").iterdir() if (p / "__init__.py").exists()}
+    assert parts == set().union(*KERNEL_LAYERS), parts
+    assert not [p.name for p in (ROOT / "kernels").glob("*.py") if p.name != "__init__.py"], \
+        "the kernels' modules live in its sub-packages; its __init__.py is the entry points"
+    rank = {part: i for i, layer in enumerate(KERNEL_LAYERS) for part in layer}
+    for name in MODULES:
+        if not name.startswith(f"{PACKAGE}.kernels."):
+            continue
+        here = _kernels_part(name)
+        for m in _internal(name):
+            there = _kernels_part(m)
+            assert there and (there == here or rank[there] > rank[here]), \
+                f"{name} ({here}) imports {m} ({there or 'the entry points'}): against the layers"
+    for part in parts:  # each sub-package says what it holds
+        doc = ast.get_docstring(ast.parse((ROOT / "kernels" / part / "__init__.py").read_text()))
+        assert doc and len(doc) > 80, f"kernels/{part}/__init__.py: a docstring saying what it holds"
+
+
+def test_no_folder_holds_more_than_15_modules():
+    for folder in {p.parent for p in ROOT.rglob("*.py")}:
+        modules = [p.name for p in folder.glob("*.py") if p.name != "__init__.py"]
+        assert len(modules) <= 15, f"{folder.relative_to(ROOT.parent)}: {len(modules)} modules {sorted(modules)}"
+
+
 def test_compat_is_a_leaf():
     assert not _internal(f"{PACKAGE}.compat"), _internal(f"{PACKAGE}.compat")
 
@@ -119,9 +158,9 @@ def test_only_hooked_assembles_the_protocol_mtp_and_the_plan():
 
 def test_the_reader_sees_real_modules():
     """The parse above reads the modules it should (a guard against a test that checks nothing)."""
-    assert {f"{PACKAGE}.compat", f"{PACKAGE}.hooked", f"{PACKAGE}.kernels.ops"} <= set(MODULES)
+    assert {f"{PACKAGE}.compat", f"{PACKAGE}.hooked", f"{PACKAGE}.kernels.passes.ops"} <= set(MODULES)
     assert f"{PACKAGE}.compat" in _internal(f"{PACKAGE}.mtp")
-    assert "torch" in _external(f"{PACKAGE}.kernels.autograd")
+    assert "torch" in _external(f"{PACKAGE}.kernels.common.autograd")
 
 
 def test_release_independent_tests_touch_no_release_specific_code():

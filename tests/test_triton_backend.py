@@ -20,9 +20,9 @@ import torch
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from mcore_hooks.kernels import (  # noqa: E402
-    VocabParallel, linear_cross_entropy, linear_logprob_entropy, triton_fused, triton_kernels, triton_losses,
-    triton_tiles)
+from mcore_hooks.kernels import VocabParallel, linear_cross_entropy, linear_logprob_entropy  # noqa: E402
+from mcore_hooks.kernels.triton_backend import (  # noqa: E402
+    triton_fused, triton_kernels, triton_losses, triton_tiles)
 from mcore_hooks.testing import run_on_ranks  # noqa: E402
 
 pytestmark = pytest.mark.release_independent
@@ -111,7 +111,7 @@ def test_triton_matches_torch_backend_and_float64(shape, dtype):
 def _count_gathered_dots(monkeypatch):
     """Count the Triton backend's gathered dot products (a fallback gives the same values, so
     the tests also check that the kernel ran)."""
-    from mcore_hooks.kernels import triton_fused
+    from mcore_hooks.kernels.triton_backend import triton_fused
 
     real = triton_fused.TritonFused.gathered_dots
 
@@ -346,7 +346,7 @@ def test_the_one_rank_eager_function_is_the_op(case, monkeypatch):
     the weight's goes, an output without a gradient, a second backward, and a backward traced
     by compiled autograd (which takes the op there). The generic path is forced here by the
     branch's own test of whether the call is traced."""
-    from mcore_hooks.kernels import stats_op
+    from mcore_hooks.kernels.passes import stats_op
 
     x, w, labels, g1, g2 = _eager_call_inputs(21)
     v, h = w.shape
@@ -395,7 +395,7 @@ def test_the_prologue_folded_into_the_statistics_pass_is_the_prologue(case, monk
     own launch: the same results, flags and gradients, bit for bit; NaN at a label outside the
     vocabulary either way (values unchecked, as on CUDA)."""
     import mcore_hooks.kernels as K
-    from mcore_hooks.kernels.debug import debug_checks
+    from mcore_hooks.kernels.common.debug import debug_checks
 
     x, w, labels, g1, g2 = _eager_call_inputs(23)
     n, v = x.shape[0], w.shape[0]
@@ -458,7 +458,8 @@ def test_the_one_rank_fused_loss_function_is_the_op(case, monkeypatch):
     backward, a backward traced by compiled autograd, and a double backward refused by both; a
     declared upstream gradient keeps its own Function in both. The generic path is forced by
     the branch's own test."""
-    from mcore_hooks.kernels import PolicyLoss, linear_policy_loss, loss_op
+    from mcore_hooks.kernels import PolicyLoss, linear_policy_loss
+    from mcore_hooks.kernels.passes import loss_op
 
     x, w, labels, g1, _ = _eager_call_inputs(25)
     v, h = w.shape
@@ -593,8 +594,9 @@ def test_per_token_policy_terms_and_derivatives_match_autograd():
     through ``PolicyLoss.__call__`` (the torch backend's): to float32 rounding, and exactly 0
     where autograd's are (clamps at and past their bounds, ties of the max and the dual clip
     splitting the gradient, ignored and weight-0 positions, NaN where an input is NaN)."""
-    from mcore_hooks.kernels import PolicyLoss, loss_op
-    from mcore_hooks.kernels.debug import debug_checks
+    from mcore_hooks.kernels import PolicyLoss
+    from mcore_hooks.kernels.passes import loss_op
+    from mcore_hooks.kernels.common.debug import debug_checks
 
     g = torch.Generator().manual_seed(12)
     n = 4000
@@ -879,7 +881,7 @@ def test_triton_vocab_parallel_2_ranks():
 def test_tensor_descriptor_loads_match_pointer_loads(shape, monkeypatch):
     """The TMA (tensor-descriptor) tile loads give the same bits as the pointer loads (the
     loads differ, not the products' order)."""
-    from mcore_hooks.kernels import triton_fused
+    from mcore_hooks.kernels.triton_backend import triton_fused
 
     if triton_fused.TensorDescriptor is None:
         pytest.skip("this Triton has no host tensor descriptors")
@@ -905,7 +907,7 @@ def test_tensor_descriptor_loads_match_pointer_loads(shape, monkeypatch):
 def test_small_products_load_by_pointers():
     """Descriptors only for products of at least ``_TMA_MIN_WORK`` multiply-adds (below, their
     host time is more than the GPU time they save); aligned operands either way."""
-    from mcore_hooks.kernels import triton_fused
+    from mcore_hooks.kernels.triton_backend import triton_fused
 
     if triton_fused.TensorDescriptor is None:
         pytest.skip("this Triton has no host tensor descriptors")
@@ -931,7 +933,7 @@ def _axpy_kernel(x, y, out, a, n, BLOCK: tl.constexpr):
 
 
 def test_direct_launches_run_tritons_own_compiled_kernels(monkeypatch):
-    """:class:`~mcore_hooks.kernels.launch.FastLaunch` launches Triton's own compiled kernels: on
+    """:class:`~mcore_hooks.kernels.triton_backend.launch.FastLaunch` launches Triton's own compiled kernels: on
     GPU, a launch goes through Triton's ``run`` only for a specialization Triton has not compiled
     (a length of 1 or a multiple of 16, a pointer off 16-byte alignment: one compiled kernel each
     in Triton's cache) and otherwise calls the kernel Triton cached, giving the same results;
@@ -939,7 +941,7 @@ def test_direct_launches_run_tritons_own_compiled_kernels(monkeypatch):
     interpreter every launch is Triton's."""
     from triton import knobs
 
-    from mcore_hooks.kernels.launch import FastLaunch
+    from mcore_hooks.kernels.triton_backend.launch import FastLaunch
 
     runs = []
     tritons_run = _axpy_kernel.run
@@ -979,7 +981,7 @@ def test_direct_launches_run_tritons_own_compiled_kernels(monkeypatch):
 
 def test_misaligned_views_fall_back_to_pointer_loads(monkeypatch):
     """A weight view starting mid-allocation (not 16-byte aligned) still computes correctly."""
-    from mcore_hooks.kernels import triton_fused
+    from mcore_hooks.kernels.triton_backend import triton_fused
 
     monkeypatch.setattr(triton_fused, "_TMA_MIN_WORK", 0)  # not by size: by alignment
 
@@ -1079,8 +1081,8 @@ def test_the_prologue_kernel_matches_the_torch_form(per_token):
     """The entry points' one-launch prologue (CUDA, values unchecked) against its torch form:
     the same validity, coefficients (NaN for a label outside the vocabulary and for a
     temperature not positive and finite) and local rows, on a rank of a split vocabulary."""
-    from mcore_hooks.kernels.arguments import _coefficients
-    from mcore_hooks.kernels.autograd import local_labels
+    from mcore_hooks.kernels.passes.arguments import _coefficients
+    from mcore_hooks.kernels.common.autograd import local_labels
 
     g = torch.Generator().manual_seed(13)
     n, v_total, start, v_local = 3000, 1000, 250, 250
@@ -1094,7 +1096,7 @@ def test_the_prologue_kernel_matches_the_torch_form(per_token):
         0 if per_token else 1.5 / 0.7, 1.5, -100, v_total, start, v_local)
     want_valid = labels != -100
     bad = want_valid & ((labels < 0) | (labels >= v_total))
-    from mcore_hooks.kernels.debug import debug_checks
+    from mcore_hooks.kernels.common.debug import debug_checks
 
     with debug_checks(False):
         want_coef = torch.where(bad, torch.nan, _coefficients(given, 1.5, n, torch.device("cpu"), want_valid))

@@ -53,7 +53,7 @@ import torch.distributed as dist
 from .. import compat
 from ..mtp import MTPDepth, MTPLoss, labels_given
 from ..postprocess import PostprocessContext
-from ..kernels.comm import all_reduce
+from ..kernels.common.comm import all_reduce
 from ..processors.fused import _FusedProcessor
 from ..processors.labels import cp_global_positions, labels_from_input_ids
 

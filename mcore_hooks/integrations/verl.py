@@ -44,7 +44,7 @@ from typing import Optional, Union
 import torch
 
 from ..kernels import linear_logprob_entropy
-from ..kernels.options import is_finite
+from ..kernels.common.options import is_finite
 from ..mtp import MTPDepth, MTPLoss
 from ..postprocess import PostprocessContext
 from ..processors.fused import _check_flag, _FusedProcessor

@@ -8,8 +8,14 @@ may be split across the tensor-parallel group, never materialising ``[tokens, vo
 their gradients during the forward. They check their inputs and dispatch to a backend: ``torch`` (chunked, CPU and GPU, any dtype) or ``triton`` (logits fused
 into the matmul, CUDA, bf16/fp16); ``auto`` takes Triton where it can run, else torch. Both keep
 logits in fp32 and satisfy the same tests (values to fp32 rounding; gradients to the input dtype's).
-The arguments' checks and the backend's choice are in :mod:`.arguments`; the passes, as custom
-ops, in :mod:`.ops`; the log-prob entry point's kept-set passes in :mod:`.kept`.
+This module is the entry points; the rest is in sub-packages, each importing only those after it:
+
+* :mod:`.kept_sets`: the log-prob entry point's kept-set passes (:mod:`.kept_sets.kept`) and a
+  rollout engine's truncation (:class:`Truncation`);
+* :mod:`.passes`: the arguments' checks and the backend's choice (:mod:`.passes.arguments`), the
+  passes as custom ops (:mod:`.passes.ops`, one module a pass);
+* :mod:`.torch_backend` and :mod:`.triton_backend`: the two backends;
+* :mod:`.common`: what they all share (options, the statistics' algebra, communication, guards).
 """
 
 from __future__ import annotations
@@ -18,19 +24,19 @@ from typing import Callable, Mapping, Optional, Union
 
 import torch
 
-from .debug import check_values
-from . import loss_op, ops, stats_op
-from .dispatch import call
-from .arguments import (  # noqa: F401  (re-exported: the entry points' argument checks and backend choice)
+from .common.debug import check_values
+from .passes import ops, stats_op
+from .passes.arguments import (  # noqa: F401  (re-exported: the entry points' argument checks and backend choice)
     BACKENDS, _id_matrix, _nan_where, _prepare, _token_vector, backend_for, backend_name,
     check_upstream_grad_option, default_chunk_size, triton_unavailable,
 )
-from .autograd import TokenLoss
-from .comm import group_rank_size
-from .kept import _merged, _renormalised, _selected
-from .losses import PerTokenLoss, PolicyLoss, PolicyLossResult, aggregation_weights, per_token_loss
-from .options import KernelParams, LogprobEntropy, VocabParallel
-from .truncation import Truncation
+from .common.autograd import TokenLoss
+from .common.comm import group_rank_size
+from .kept_sets.kept import _merged, _renormalised, _selected
+from .passes.routes import _fused, _no_tokens
+from .common.losses import PerTokenLoss, PolicyLoss, PolicyLossResult, aggregation_weights, per_token_loss
+from .common.options import KernelParams, LogprobEntropy, VocabParallel  # noqa: F401  (KernelParams: the passes' form of the arguments)
+from .kept_sets.truncation import Truncation
 
 __all__ = [
     "VocabParallel", "LogprobEntropy", "linear_logprob_entropy", "linear_cross_entropy",
@@ -100,7 +106,7 @@ def linear_logprob_entropy(
             bitwise independent of the other tokens in the call, of their number and of the
             chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
             ``K``; with a ``truncation``, whose per-request ``top_k`` is on the host, also
-            beside requests of other widths; :mod:`.invariant`). The Triton backend's passes are so as they are (each
+            beside requests of other widths; :mod:`.common.invariant`). The Triton backend's passes are so as they are (each
             token's sums in one fixed shape, dX's too); the torch
             backend, and the BLAS products of either (wide id sets, the truncation's
             statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU,
@@ -172,25 +178,6 @@ def linear_logprob_entropy(
     return LogprobEntropy(logprob, entropy, logz, best)
 
 
-def _zero_anchor(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A float32 scalar 0 of a call with no tokens, differentiable in ``hidden`` (``[0, H]``) and
-    ``weight``: their gradients are zeros, and the weight's hooks (Megatron DDP's, the
-    ``main_grad`` hand-off's) run as after any call, none waiting for a gradient that never
-    comes."""
-    return hidden.sum(dtype=torch.float32) + weight[:0].sum(dtype=torch.float32)
-
-
-def _no_tokens(hidden: torch.Tensor, weight: torch.Tensor, with_labels: bool,
-               k: Optional[int], kept: bool) -> LogprobEntropy:
-    """:class:`LogprobEntropy` of a call with no tokens: empty, differentiable (zero gradients)."""
-    anchor = _zero_anchor(hidden, weight)
-    empty = anchor.expand(0)
-    selected = None if k is None else anchor.expand(0, k)
-    none = torch.zeros(0, dtype=torch.bool, device=hidden.device)
-    return LogprobEntropy(empty if with_labels else None, empty, empty.detach(),
-                          none if with_labels else None, selected, none if kept else None)
-
-
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -251,7 +238,7 @@ def linear_cross_entropy(
             bitwise independent of the other tokens in the call, of their number and of the
             chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
             ``K``; with a ``truncation``, whose per-request ``top_k`` is on the host, also
-            beside requests of other widths; :mod:`.invariant`). The Triton backend's passes are so as they are (each
+            beside requests of other widths; :mod:`.common.invariant`). The Triton backend's passes are so as they are (each
             token's sums in one fixed shape, dX's too); the torch
             backend, and the BLAS products of either (wide id sets, the truncation's
             statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU,
@@ -349,7 +336,7 @@ def linear_policy_loss(
             bitwise independent of the other tokens in the call, of their number and of the
             chunking (the default; with ``kept_ids`` / ``selected_ids``, for a fixed width
             ``K``; with a ``truncation``, whose per-request ``top_k`` is on the host, also
-            beside requests of other widths; :mod:`.invariant`). The Triton backend's passes are so as they are (each
+            beside requests of other widths; :mod:`.common.invariant`). The Triton backend's passes are so as they are (each
             token's sums in one fixed shape, dX's too); the torch
             backend, and the BLAS products of either (wide id sets, the truncation's
             statistics), run on fixed-shape blocks of 2048 tokens on a GPU, 64 on the CPU,
@@ -422,46 +409,3 @@ def linear_policy_loss(
     else:
         r = _fused(hidden, weight, p, tw, fn.bind(tw, tensors, p.valid), {})
     return PolicyLossResult(*r)
-
-
-def _fused(hidden, weight, p: KernelParams, token_weight: torch.Tensor,
-           loss: Union[PolicyLoss, TokenLoss, None], inputs: Mapping[str, torch.Tensor]):
-    """(loss, logprob, entropy) of the weighted NLL (``loss`` None), a :class:`PolicyLoss` with
-    its ``inputs``, or a bound :class:`TokenLoss`. Gradients formed in the forward where any is
-    needed and the backend forms them there at this hidden size
-    (:func:`~.loss_op.forms_gradients_in_forward`; with a weight-gradient accumulator and no
-    declared upstream gradient, which scales what is added into it, the backward adds the
-    float32 dW into it), or an upstream gradient is declared; otherwise the log-prob pass and
-    the terms, the logits recomputed in the backward; without gradients, the log-prob pass
-    alone.
-    The NLL and :class:`PolicyLoss` run as custom ops; a Python function's loss through
-    :class:`~.loss_op.LinearFusedLoss`, or autograd over its terms."""
-    if p.n == 0:  # an empty micro-batch or shard: a zero loss, zero gradients
-        anchor = _zero_anchor(hidden, weight)
-        return anchor, anchor.detach().expand(0), anchor.detach().expand(0)
-    need_x = hidden.requires_grad and torch.is_grad_enabled()
-    need_w = weight.requires_grad and torch.is_grad_enabled()
-    as_data = loss is None or type(loss) is PolicyLoss
-    if p.upstream_grad is not None and p.weight_grad_accumulator is not None:
-        in_forward = True  # declared: the caller asked for the weight's gradient in the forward
-    else:  # an accumulator takes the op's float32 dW in its backward (not a Python loss's)
-        in_forward = ((p.weight_grad_accumulator is None or as_data)
-                      and loss_op.forms_gradients_in_forward(p.backend, hidden.shape[1]))
-    names = () if loss is None or not as_data else loss.input_names
-    if (need_x or need_w) and in_forward and as_data:
-        return loss_op.fused_loss(hidden, weight, p, token_weight, loss, [inputs[k] for k in names],
-                              need_x, need_w)
-    if (need_x or need_w) and in_forward:
-        return loss_op.LinearFusedLoss.apply(hidden, weight, p, loss, need_x, need_w)[:3]
-    logprob, entropy, _, _ = stats_op.stats(hidden, weight, p)
-    if as_data:
-        data = None if loss is None else loss_op.policy_loss_data(loss)
-        terms = call(loss_op.token_terms, logprob, entropy, p.valid, token_weight, data,
-                     [inputs[k] for k in names], p.backend)[0]
-        needs_entropy = loss is not None and loss.needs_entropy
-    else:
-        needs_entropy = loss.needs_entropy
-        ent = entropy if needs_entropy else None
-        terms = torch.where(p.valid, loss.terms(slice(0, p.n), logprob, ent), 0.0)
-    return (terms.sum(), logprob.detach(),
-            entropy.detach() if needs_entropy else torch.zeros_like(logprob))

@@ -39,9 +39,9 @@ from ..kernels import (
     linear_logprob_entropy,
     triton_unavailable,
 )
-from ..kernels.losses import group_sum
-from ..kernels.dispatch import tracing
-from ..kernels.options import is_finite
+from ..kernels.common.losses import group_sum
+from ..kernels.common.dispatch import tracing
+from ..kernels.common.options import is_finite
 from ..mtp import MTPDepth, MTPLoss, fused_mtp_loss
 from ..postprocess import PostprocessContext, PostprocessProcessor
 from .labels import is_thd, labels_from_input_ids, per_request, per_token_temperature

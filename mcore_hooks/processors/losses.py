@@ -17,7 +17,7 @@ from ..kernels import (
     linear_policy_loss,
     per_token_loss,
 )
-from ..kernels.losses import AGGREGATIONS
+from ..kernels.common.losses import AGGREGATIONS
 from ..postprocess import PostprocessContext
 from .labels import sequence_index
 from .fused import (

@@ -9,8 +9,8 @@ from typing import Optional, Union
 import torch
 
 from ..kernels import LogprobEntropy, aggregation_weights, linear_logprob_entropy
-from ..kernels.losses import AGGREGATIONS
-from ..kernels.options import is_finite
+from ..kernels.common.losses import AGGREGATIONS
+from ..kernels.common.options import is_finite
 from ..postprocess import PostprocessContext
 from .labels import sequence_index
 from .fused import (

@@ -1,4 +1,4 @@
-"""PyTorch backend: the two passes of :mod:`.autograd` in token chunks. CPU and GPU.
+"""PyTorch backend: the two passes of :mod:`..common.autograd` in token chunks. CPU and GPU.
 
 Each chunk's logits ``[chunk, V_local]`` are made in float32 (bf16/fp16 products accumulate in
 fp32 and are never rounded back), reduced, and dropped; the backward recomputes them. No tensor
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .autograd import Backend, LocalStats, upstream_grads
-from .matmul import addmm_f32_, mm_f32
+from ..common.autograd import Backend, LocalStats, upstream_grads
+from ..common.matmul import addmm_f32_, mm_f32
 
 
 def _chunk_logits(x, weight, coef, start, end):
@@ -39,7 +39,7 @@ def _aligned_logits(x, weight, coef, start, end):
 
 def kept_columns(z: torch.Tensor, floor: torch.Tensor, local_label: torch.Tensor) -> torch.Tensor:
     """Which of a chunk's scaled logits ``z [c, V_local]`` are in each token's kept set given as
-    a floor (:mod:`.nucleus`): ``floor [c, 2]`` holds the set's smallest logit and the last
+    a floor (:mod:`..kept_sets.nucleus`): ``floor [c, 2]`` holds the set's smallest logit and the last
     column kept among those equal to it (ties go in ascending id), so the set is ``z > floor``,
     or ``z == floor`` up to that column; the label's column always (the rollout sampled it)."""
     tau, cut = floor[:, :1], floor[:, 1:]

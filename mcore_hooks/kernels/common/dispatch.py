@@ -9,7 +9,7 @@ batches. So :func:`call` runs an op's own Python implementation in eager code, u
 Function that applies the op's registered autograd formula (its ``setup_context`` and
 ``backward``, the same functions): one implementation, one formula, the op for traced code.
 The log-prob pass on one rank goes a step further: its own Function over the backend
-(:class:`~.stats_op._OneRank`), the same formula without this generic one's layers.
+(:class:`~..passes.stats_op._OneRank`), the same formula without this generic one's layers.
 """
 
 from __future__ import annotations

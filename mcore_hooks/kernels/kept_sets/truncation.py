@@ -2,7 +2,7 @@
 options (:class:`Truncation`, per token :class:`TokenTruncation`) and each engine's rule over a
 token's sorted candidates (:func:`truncate`), with the sampled label added where the rule
 dropped it (:func:`with_labels`). The candidates and their logits come from
-:mod:`.candidates_op`'s top-k and :mod:`.candidates`; the entry points put them together.
+:mod:`..passes.candidates_op`'s top-k and :mod:`..passes.candidates`; the entry points put them together.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from .candidates import label_columns
-from .debug import check_values
-from .dispatch import tracing
-from .options import is_finite
+from ..passes.candidates import label_columns
+from ..common.debug import check_values
+from ..common.dispatch import tracing
+from ..common.options import is_finite
 
 ENGINES = ("vllm", "sglang")
 

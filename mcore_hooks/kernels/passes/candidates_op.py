@@ -8,15 +8,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import autograd as ag
-from . import guards
-from . import comm
+from ..common import autograd as ag
+from ..common import guards
+from ..common import comm
 from . import candidates as cand
-from .dispatch import call, custom_op, register_autograd
-from .invariant import block_rows, blocks, padded, tiling_chunk
+from ..common.dispatch import call, custom_op, register_autograd
+from ..common.invariant import block_rows, blocks, padded, tiling_chunk
 from .ops import _F32, _backend, _fake_group_size, _group, _nothing, group_name, invariant
-from .options import KernelParams
-from .torch_chunked import TorchChunked
+from ..common.options import KernelParams
+from ..torch_backend.torch_chunked import TorchChunked
 
 @custom_op("mcore_hooks::candidate_logits", mutates_args=())
 def candidate_logits(

@@ -61,9 +61,9 @@ class KernelParams:
             where the rank does not own the label or the position does not count (what the
             passes take; None only where params are made without them).
         prologue: ``(coef, ignore_index, v_total, vocab_start, v_local)`` where the prologue is
-            folded into the statistics pass (:meth:`~.triton_fused.TritonFused.stats_with_prologue`:
+            folded into the statistics pass (:meth:`~..triton_backend.triton_fused.TritonFused.stats_with_prologue`:
             one launch less at small calls): ``valid``, ``coef`` and ``local_labels`` are then
-            None until :func:`~.stats_op.stats`, the params' only reader, makes them. None: they
+            None until :func:`~..passes.stats_op.stats`, the params' only reader, makes them. None: they
             are made.
     """
 

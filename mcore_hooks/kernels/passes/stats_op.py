@@ -9,12 +9,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import guards
-from . import comm
+from ..common import guards
+from ..common import comm
 from . import candidates as cand
-from .dispatch import call, custom_op, register_autograd, tracing
+from ..common.dispatch import call, custom_op, register_autograd, tracing
 from .ops import _F32, _backend, _fake_group_size, _group, _nothing, group_name, invariant
-from .options import KernelParams
+from ..common.options import KernelParams
 
 @custom_op("mcore_hooks::logsoftmax_stats", mutates_args=())
 def logsoftmax_stats(
@@ -31,9 +31,9 @@ def logsoftmax_stats(
     label's (empty without). ``accumulator`` and ``placeholder`` are for the backward alone
     (where the weight's gradient goes; whether the weight then gets a zero-stride placeholder).
     ``compiled``: traced by ``torch.compile`` (where the accumulator is one of the graph's
-    saved tensors: :func:`~.guards.check_accumulator_kept`). ``floor`` (``[N, 2]``, the torch
+    saved tensors: :func:`~..common.guards.check_accumulator_kept`). ``floor`` (``[N, 2]``, the torch
     backend's): the distribution renormalised over each token's kept set given as a floor
-    (:mod:`.nucleus`), never made as ``[N, V]``."""
+    (:mod:`..kept_sets.nucleus`), never made as ``[N, V]``."""
     if accumulator is not None and compiled:
         guards.check_accumulator_kept()
     pg = _group(group)
@@ -77,7 +77,7 @@ def logsoftmax_stats_backward(
     reduced over the group, this rank's shard under sequence parallelism); empty where not
     asked for, or dW where it went into ``accumulator``. ``g_logprob`` / ``g_entropy``: the
     outputs' upstream gradients as autograd gives them (None where unused; read only where
-    ``valid``: :meth:`~.autograd.Backend.grads`). ``extra_g``: the gradient of the
+    ``valid``: :meth:`~..common.autograd.Backend.grads`). ``extra_g``: the gradient of the
     ``extra_ids``' logits, ``extra_logits`` (the forward's) with them; ``floor``: the
     forward's."""
     local_label = labels  # local rows already (KernelParams.local_labels)
@@ -162,7 +162,7 @@ class _OneRank(torch.autograd.Function):
     """The pass on one rank (no group, no extra ids, no floor), eager: the backend's forward and
     backward under one autograd Function, the formula :func:`_stats_setup` and
     :func:`_stats_backward` give the op there, without the op's layers (its 15-argument list,
-    :func:`~.dispatch.call`'s generic Function, the backend looked up twice, stand-ins for
+    :func:`~..common.dispatch.call`'s generic Function, the backend looked up twice, stand-ins for
     outputs it does not have). At RL's small calls the host bounds the time: 0.10-0.16 ms of a
     1.2-1.4 ms call on an H200 machine (``benchmarks/RESULTS.md``, ``profile_calls.py
     --timeline``). ``test_the_one_rank_eager_function_is_the_op`` holds the two to the same
@@ -213,7 +213,7 @@ def _one_rank(hidden: Tensor, weight: Tensor, p: KernelParams, impl) -> tuple[Te
 def _unfolded(p: KernelParams) -> KernelParams:
     """``p`` with the per-token inputs its ``prologue`` left to the statistics pass made by the
     prologue's own kernel (for a path that cannot fold them)."""
-    from . import triton_fused  # lazily: it imports Triton
+    from ..triton_backend import triton_fused  # lazily: it imports Triton
 
     coef, ignore_index, v_total, vocab_start, v_local = p.prologue
     valid, coefs, local = triton_fused.TritonFused.prologue(

@@ -4,7 +4,7 @@ engine's rule keeps as a prefix of its logits sorted descending (ties by ascendi
 label ahead of its ties for SGLang's), is given by a floor, its smallest logit and the last id
 kept among those equal to it (``op truncation_floor``, no gradient); the statistics pass and
 its backward then run over the columns at or above the floor (the torch backend's chunks,
-:func:`~.torch_chunked.kept_columns`), the logits of every pass made by the same products, so
+:func:`~..torch_backend.torch_chunked.kept_columns`), the logits of every pass made by the same products, so
 a column's membership is decided on the same bits in each.
 
 The floor pass sorts each token's whole row (the engines' rules are over sorted rows), a few
@@ -20,15 +20,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import candidates as cand
-from . import comm, ops, stats_op
+from ..passes import candidates as cand
+from ..common import comm
+from ..passes import ops, stats_op
 from . import truncation as trunc
-from .arguments import _nan_where
-from .debug import check_values
-from .dispatch import call, custom_op
-from .ops import _F32, _group, group_name
-from .options import KernelParams, LogprobEntropy
-from .torch_chunked import _ALIGN, aligned_rows
+from ..passes.arguments import _nan_where
+from ..common.debug import check_values
+from ..common.dispatch import call, custom_op
+from ..passes.ops import _F32, _group, group_name
+from ..common.options import KernelParams, LogprobEntropy
+from ..torch_backend.torch_chunked import _ALIGN, aligned_rows
 
 # Bytes of one group of sorted rows' work, and per logit of a row: its values (padded, and
 # sorted), ids and the sort's indices (8 bytes each), the rule's float32 rows (the cumulative

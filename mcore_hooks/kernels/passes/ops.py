@@ -6,10 +6,10 @@ so ``torch.compile(fullgraph=True)`` keeps them whole: Dynamo cannot trace a Tri
 our tiles, a ``torch.autograd.grad`` inside a forward, or a collective on a process group; as
 opaque ops with fake (shape-only) implementations it does not have to. Their arguments are plain
 data: tensors, ints, floats, strings, the process group by name (``ProcessGroup.group_name``),
-the backend by name, and a per-token loss as :class:`~.losses.PolicyLoss`'s fields (a loss
+the backend by name, and a per-token loss as :class:`~..common.losses.PolicyLoss`'s fields (a loss
 given as an arbitrary Python function cannot be an op argument: it keeps
 :class:`~.loss_op.LinearFusedLoss`, which compiles with a graph break). Eager calls run the same
-implementations and autograd formulas without the dispatcher (:func:`~.dispatch.call`: the
+implementations and autograd formulas without the dispatcher (:func:`~..common.dispatch.call`: the
 dispatcher's own work was more than the GPU's at small calls).
 
 * :mod:`.stats_op`: ``logsoftmax_stats`` / ``logsoftmax_stats_backward``, the 2NHV
@@ -17,14 +17,14 @@ dispatcher's own work was more than the GPU's at small calls).
   ``main_grad``, where one is given);
 * :mod:`.candidates_op`: given ids' logits (``candidate_logits``, its backward) and the
   truncation's top-k (``top_k_ids``);
-* :mod:`.nucleus`: a truncation's kept set as a floor over the logits (``truncation_floor``),
+* :mod:`..kept_sets.nucleus`: a truncation's kept set as a floor over the logits (``truncation_floor``),
   where it may be the whole vocabulary;
 * :mod:`.loss_op`: the fused losses (``fused_token_loss``, ``fused_token_loss_into_`` with a
   declared upstream gradient, ``accumulate_weight_grad_``), per-token terms (``token_terms``);
 * here: ``all_reduce_`` / ``reduce_scatter_tokens``, the hidden-state gradient's reduction,
   which a backward traced by AOTAutograd cannot issue on a process group object itself.
 
-Their formulas keep the contracts of :mod:`.guards` (an accumulator added into exactly once,
+Their formulas keep the contracts of :mod:`..common.guards` (an accumulator added into exactly once,
 gradients formed in the forward never differentiated again).
 """
 
@@ -35,12 +35,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import autograd as ag
-from . import comm
-from .options import KernelParams
-from .invariant import InvariantBlocks, block_rows
-from .torch_chunked import TorchChunked
-from .dispatch import call, custom_op
+from ..common import autograd as ag
+from ..common import comm
+from ..common.options import KernelParams
+from ..common.invariant import InvariantBlocks, block_rows
+from ..torch_backend.torch_chunked import TorchChunked
+from ..common.dispatch import call, custom_op
 
 _F32 = torch.float32
 
@@ -58,14 +58,14 @@ def _group(name: Optional[str]):
 
 def _backend(name: str, device: torch.device) -> ag.Backend:
     """The backend a name says: ``"torch"`` or ``"triton"``; ``"+invariant"`` (batch
-    invariance, :mod:`.invariant`): the torch backend on fixed-shape token blocks, the Triton
+    invariance, :mod:`..common.invariant`): the torch backend on fixed-shape token blocks, the Triton
     backend as it is (its passes sum each token in one order whatever the call)."""
     base, _, mode = name.partition("+")
     if base == "torch":
         aligned = mode == "invariant"
         backend: ag.Backend = TorchChunked(aligned=aligned)
         return InvariantBlocks(backend, block_rows(device)) if aligned else backend
-    from . import triton_fused, triton_tiles  # lazily: they import Triton, slow and optional
+    from ..triton_backend import triton_fused, triton_tiles  # lazily: they import Triton, slow and optional
 
     return triton_fused.TritonFused(triton_tiles.device_tiles(device))
 
@@ -115,7 +115,7 @@ def _(t, group, ordered=False):
 
 def reduce_hidden_grad(dx: Tensor, group: Optional[str], sequence_parallel: bool,
                        ordered: bool = False) -> Tensor:
-    """:func:`~.comm.reduce_hidden_grad` through the ops (a backward traced by AOTAutograd
+    """:func:`~..common.comm.reduce_hidden_grad` through the ops (a backward traced by AOTAutograd
     cannot call a collective on a process group)."""
     if group is None:
         return dx

@@ -12,15 +12,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import autograd as ag
-from . import guards
-from . import comm
-from .debug import check_values
-from .dispatch import call, custom_op, register_autograd, tracing
-from .losses import PolicyLoss, WeightedNLL, per_token_loss
-from .matmul import addmm_f32_
+from ..common import autograd as ag
+from ..common import guards
+from ..common import comm
+from ..common.debug import check_values
+from ..common.dispatch import call, custom_op, register_autograd, tracing
+from ..common.losses import PolicyLoss, WeightedNLL, per_token_loss
+from ..common.matmul import addmm_f32_
 from .ops import _F32, _backend, _nothing, _params, group_name, invariant, reduce_hidden_grad
-from .options import KernelParams
+from ..common.options import KernelParams
 
 # PolicyLoss as op data: its fields in this order, None as NaN, kl_type as 1.0 for "k3"
 _POLICY_FIELDS = ("clip_low", "clip_high", "dual_clip", "kl_coef", "kl_type", "entropy_coef",
@@ -59,7 +59,7 @@ def forms_gradients_in_forward(backend: str, hidden_size: int) -> bool:
     base = backend.partition("+")[0]
     if base == "torch":
         return True
-    from . import triton_fused  # lazily: it imports Triton, slow and optional
+    from ..triton_backend import triton_fused  # lazily: it imports Triton, slow and optional
 
     return hidden_size >= triton_fused.TritonFused.forward_gradients_min_hidden
 
@@ -74,7 +74,7 @@ def token_terms(
     :func:`policy_loss_data`; its ``input_names`` tensors in ``inputs``) of per-token log-probs
     and entropies, its derivatives formed here (the terms are differentiable through them)."""
     if backend.partition("+")[0] == "triton":
-        from . import triton_fused
+        from ..triton_backend import triton_fused
 
         if any(check_values(t) for t in inputs):  # debug checks on: PerTokenLoss.bind's refusals
             _token_loss(token_weight, policy, inputs, valid)
@@ -121,7 +121,7 @@ def _defers_weight_grad(backend: str, n: int, weight: Tensor, chunk_size: int,
     agrees."""
     if not need_w or into or sequence_parallel or backend.partition("+")[0] != "triton" or n > chunk_size:
         return False
-    from . import triton_fused
+    from ..triton_backend import triton_fused
 
     fused = triton_fused.TritonFused
     return n <= fused.saved_dz_tokens and n * weight.shape[0] * weight.element_size() <= fused.saved_dz_bytes
@@ -231,7 +231,7 @@ def _scaled(t32: Tensor, grad: Tensor, dtype: torch.dtype) -> Tensor:
     151936 bf16 logit gradient on an H200); else torch, through a float32 copy of a 16-bit
     ``t32``."""
     if t32.is_cuda and t32.is_contiguous() and not tracing() and dtype != _F32:
-        from . import triton_fused, triton_tiles
+        from ..triton_backend import triton_fused, triton_tiles
 
         if triton_tiles.device_tiles(t32.device) is not None:
             return triton_fused.TritonFused.scale_cast(t32, grad, dtype)
@@ -278,7 +278,7 @@ def accumulate_weight_grad_(accumulator: Tensor, dw: Tensor, x: Optional[Tensor]
         return
     eager = not tracing() and accumulator.is_cuda and accumulator.is_contiguous()
     if eager:
-        from . import triton_fused, triton_tiles
+        from ..triton_backend import triton_fused, triton_tiles
 
         eager = triton_tiles.device_tiles(accumulator.device) is not None
     if eager and dw.is_contiguous():
@@ -430,7 +430,7 @@ def fused_loss(hidden: Tensor, weight: Tensor, p: KernelParams, token_weight: Te
 
 
 class LinearFusedLoss(torch.autograd.Function):
-    """A :class:`~.autograd.TokenLoss` that is not data (a Python function, bound to its inputs)
+    """A :class:`~..common.autograd.TokenLoss` that is not data (a Python function, bound to its inputs)
     summed over tokens, with its gradients formed in the forward (``Backend.fused_loss``), as
     the ``fused_token_loss`` ops do; not an op, so ``torch.compile`` breaks the graph here. dX and
     dW stay float32 until the backward scales them by the upstream gradient (one rounding each,

@@ -13,7 +13,7 @@ and the ops sum them over the group: each id is owned by exactly one rank, so th
 
 A padded id is ``-1``. The distributions over the ids (renormalised log-probs and entropy) are
 ``[N, K]`` float32 torch, differentiated by autograd; a recomputed truncation's selection of
-them is :mod:`.truncation`'s.
+them is :mod:`..kept_sets.truncation`'s.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .debug import check_values
-from .invariant import block_rows
-from .matmul import addmm_f32_, bmm_f32, mm_f32
+from ..common.debug import check_values
+from ..common.invariant import block_rows
+from ..common.matmul import addmm_f32_, bmm_f32, mm_f32
 
 # Elements of one chunk's gathered rows as float32 products ([chunk, K, H]; 256 MiB).
 _GATHER_ELEMENTS = 1 << 26

@@ -10,7 +10,7 @@ its loss term and the term's derivatives in them, and writes the logit gradient 
 generic path does with a statistics kernel, a dozen torch operations and an autograd call per
 chunk (``autograd.term_grads``), which took about 0.25 ms of host time a chunk.
 
-The loss is data (:class:`~.losses.LossData`): the weighted NLL, or :class:`~.losses.PolicyLoss`
+The loss is data (:class:`~..common.losses.LossData`): the weighted NLL, or :class:`~..common.losses.PolicyLoss`
 with its inputs. Its derivatives are written out as autograd takes them through
 ``PolicyLoss.__call__``, operation for operation (``maximum`` / ``minimum`` give half the gradient
 to each side of a tie; ``clamp`` passes it at its bounds, and none at NaN), so they agree with the

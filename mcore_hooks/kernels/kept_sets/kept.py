@@ -2,8 +2,8 @@
 entropies of the distribution renormalised over each token's kept set (given ``kept_ids``, or a
 rollout engine's truncation recomputed from these logits, :mod:`.truncation`), its requests
 grouped where their own options set their width; and log-probs of given ids under the full
-distribution (``selected_ids``). The ids' logits come from :mod:`.candidates_op`, the full
-statistics from :mod:`.stats_op`."""
+distribution (``selected_ids``). The ids' logits come from :mod:`..passes.candidates_op`, the full
+statistics from :mod:`..passes.stats_op`."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ from typing import Optional
 
 import torch
 
-from . import candidates as cand
-from . import candidates_op, nucleus, ops, stats_op
+from ..passes import candidates as cand
+from ..passes import candidates_op, ops, stats_op
+from . import nucleus
 from . import truncation as trunc
-from .arguments import _id_matrix, _nan_where
-from .autograd import GlobalStats, label_is_row_max
-from .comm import group_rank_size
-from .debug import check_values
-from .dispatch import call
-from .options import KernelParams, LogprobEntropy
+from ..passes.arguments import _id_matrix, _nan_where
+from ..common.autograd import GlobalStats, label_is_row_max
+from ..common.comm import group_rank_size
+from ..common.debug import check_values
+from ..common.dispatch import call
+from ..common.options import KernelParams, LogprobEntropy
 from .truncation import Truncation
 
 

@@ -9,8 +9,8 @@ formed in the forward, over the row pass ``row_loss``). This module combines sha
 tensor-parallel group (one all-gather of the shards' statistics per batch, or per chunk of the
 fused loss, summed in rank order, through :mod:`.comm`, which also gathers sequence-parallel
 hidden states and reduces their gradient), so the backends' kernels stay pure math. Options travel as one frozen
-:class:`~.options.KernelParams`. The passes run as custom ops (:mod:`.ops`); only a loss given
-as a Python function runs through :class:`~.loss_op.LinearFusedLoss`, outside the ops.
+:class:`~.options.KernelParams`. The passes run as custom ops (:mod:`..passes.ops`); only a loss given
+as a Python function runs through :class:`~..passes.loss_op.LinearFusedLoss`, outside the ops.
 
 Per token, with ``l = coef * (x @ W.T)`` (``coef = logit_scale / temperature``) over the full
 vocabulary, ``m = max l``, ``s = sum exp(l - m)``, ``logZ = m + log s``, ``p = exp(l - logZ)``:
@@ -75,7 +75,7 @@ _AUTOGRAD_KEYS = ("AutogradFunctionality", "AutogradOther", "AutogradNestedTenso
 
 
 def _autograd_reenabled():
-    """Inside a custom op's implementation (:mod:`.ops`) the dispatcher has excluded the autograd
+    """Inside a custom op's implementation (:mod:`..passes.ops`) the dispatcher has excluded the autograd
     keys, so a ``torch.autograd.grad`` there would see no graph; re-include them for the block
     (restored on exit). Outside an op: nothing to do."""
     C = torch._C
@@ -156,7 +156,7 @@ class Backend:
     def each_chunk(self, x: torch.Tensor, weight: torch.Tensor, coef: torch.Tensor, chunk_size: int,
                    fn) -> None:
         """``fn(start, end, z)`` on each chunk's float32 scaled logits ``z``, made as
-        ``grads`` makes them (the torch backend's: a truncation's floor, :mod:`.nucleus`)."""
+        ``grads`` makes them (the torch backend's: a truncation's floor, :mod:`..kept_sets.nucleus`)."""
         raise NotImplementedError
 
     def logits_rows(self, c: int, n: int, chunk_size: int, v_local: int, itemsize: int,
@@ -174,7 +174,7 @@ class Backend:
         """The log-prob/entropy pass's results, float32 ``[N]``: ``(logprob, entropy, logZ,
         label_is_argmax, max, log_s)``, the first two 0 where not ``valid``; ``local_stats``
         combined over ``group`` (:func:`combine`). ``floor``: over each token's
-        kept set (the torch backend's, :mod:`.nucleus`)."""
+        kept set (the torch backend's, :mod:`..kept_sets.nucleus`)."""
         fl = {} if floor is None else {"floor": floor}
         st = combine(self.local_stats(x, weight, coef, local_label, chunk_size, **fl), group, ordered)
         return (torch.where(valid, st.logprob(), 0.0), torch.where(valid, st.entropy, 0.0),

@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from .autograd import LocalStats, combine, rows_of
-from .losses import LossData
+from ..common.autograd import LocalStats, combine, rows_of
+from ..common.losses import LossData
 from .triton_tiles import cdiv
 
 try:  # Triton is optional; the torch backend needs none of this.
@@ -52,7 +52,7 @@ if triton is not None:  # the kernels live apart: launches here, arithmetic ther
 
 
 def _policy_constants(loss) -> tuple[float, ...]:
-    """:class:`~.losses.PolicyLoss`'s numbers as the row-loss kernel takes them (float32 there,
+    """:class:`~..common.losses.PolicyLoss`'s numbers as the row-loss kernel takes them (float32 there,
     as torch rounds a Python scalar against a float32 tensor): the ratio's clamp bounds, the
     dual clip, KL and entropy coefficients and the log-ratio limit."""
     if loss is None:
@@ -64,7 +64,7 @@ def _policy_constants(loss) -> tuple[float, ...]:
 
 class TritonRows:
     """The fused losses' launches of :class:`~.triton_fused.TritonFused` (a mixin before
-    :class:`~.autograd.Backend`, whose torch forms ``row_loss`` falls back to)."""
+    :class:`~..common.autograd.Backend`, whose torch forms ``row_loss`` falls back to)."""
 
     def row_loss(self, z, p, rows, local_label, token_loss, dz, loss, logprob, entropy) -> None:
         data = getattr(token_loss, "kernel_data", None)
@@ -140,7 +140,7 @@ class TritonRows:
 
     @staticmethod
     def token_terms(logprob, entropy, valid, token_weight, loss, inputs):
-        """:func:`~.loss_op.token_terms` in one launch: the terms and their derivatives, float32."""
+        """:func:`~..passes.loss_op.token_terms` in one launch: the terms and their derivatives, float32."""
         n = logprob.shape[0]
         out = [torch.empty(n, dtype=torch.float32, device=logprob.device) for _ in range(3)]
         if n == 0:

@@ -1,5 +1,5 @@
 """The entry points' arguments: their checks (errors name the argument), their kernel form
-(:class:`~.options.KernelParams`), the chunk sizes, and which backend runs them.
+(:class:`~..common.options.KernelParams`), the chunk sizes, and which backend runs them.
 
 Nothing here computes a result: :mod:`mcore_hooks.kernels` (the entry points) calls
 :func:`_prepare` first, so a bad argument is refused before anything runs.
@@ -15,13 +15,13 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .autograd import Backend, local_labels
-from .comm import group_rank_size
-from .debug import check_values
-from .dispatch import tracing
-from .invariant import block_rows
-from .options import KernelParams, is_finite
-from .torch_chunked import TorchChunked
+from ..common.autograd import Backend, local_labels
+from ..common.comm import group_rank_size
+from ..common.debug import check_values
+from ..common.dispatch import tracing
+from ..common.invariant import block_rows
+from ..common.options import KernelParams, is_finite
+from ..torch_backend.torch_chunked import TorchChunked
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -209,7 +209,7 @@ def _prologue(labels: torch.Tensor, temperature: Any, logit_scale: float, ignore
     the GPU work of a small call); None elsewhere. The temperature's form is checked first."""
     if not labels.is_cuda or not _prologue_runs(labels):
         return None
-    from . import triton_fused
+    from ..triton_backend import triton_fused
 
     coef = 0.0
     if isinstance(temperature, torch.Tensor):
@@ -227,7 +227,7 @@ def _prologue_runs(labels: torch.Tensor) -> bool:
     compiled, and Triton's tiles for the device (under Triton's interpreter, the CPU's too)."""
     if check_values(labels) or torch.compiler.is_compiling():
         return False
-    from . import triton_tiles
+    from ..triton_backend import triton_tiles
 
     return triton_tiles.device_tiles(labels.device) is not None
 
@@ -267,7 +267,7 @@ def _select_backend(name: str, hidden: torch.Tensor) -> str:
     tiles = _tiles_name(hidden.device) if name != "torch" else ""
     if name == "triton":
         if not tiles or not low_precision:
-            from . import triton_fused
+            from ..triton_backend import triton_fused
 
             why = (
                 "triton is not importable" if triton_fused.triton is None
@@ -293,7 +293,7 @@ def _select_backend(name: str, hidden: torch.Tensor) -> str:
 
 def _tiles_name(device: torch.device) -> str:
     """The name of the Triton tiles that run on ``device`` ("" where Triton cannot run)."""
-    from . import triton_tiles  # lazily, here and below: it imports Triton, slow and optional
+    from ..triton_backend import triton_tiles  # lazily, here and below: it imports Triton, slow and optional
 
     tiles = triton_tiles.device_tiles(device)
     return "" if tiles is None else tiles.name
@@ -302,7 +302,7 @@ def _tiles_name(device: torch.device) -> str:
 def _backend_class(name: str) -> type[Backend]:
     if name == "torch":
         return TorchChunked
-    from . import triton_fused
+    from ..triton_backend import triton_fused
 
     return triton_fused.TritonFused
 
@@ -311,7 +311,7 @@ def triton_unavailable() -> Optional[str]:
     """Why the Triton backend cannot run on this machine (None where it can: Triton imports and
     a CUDA device is there, or Triton's CPU interpreter is on), without a device to ask about;
     whether a given GPU has tiles is said where the kernels run."""
-    from . import triton_fused
+    from ..triton_backend import triton_fused
 
     if triton_fused.triton is None:
         return "Triton is not installed (pip install triton, or the 'triton' extra)"

@@ -1,4 +1,4 @@
-"""Triton backend: the two passes of :mod:`.autograd` with the logits fused into the matmul (the
+"""Triton backend: the two passes of :mod:`..common.autograd` with the logits fused into the matmul (the
 kernels are in :mod:`.triton_kernels`; their launches, tiles and grids here).
 
 Launches are a fixed handful per pass, whatever the shape (a Python loop over vocabulary or
@@ -34,7 +34,7 @@ order), whether one program adds a tile's segments or a program per segment and 
 tokens: more programs), and whatever the chunks: a token's dX row is the same bits in any call.
 No atomics: results are deterministic.
 
-The fused losses (:meth:`~.autograd.Backend.fused_loss`: gradients formed in the forward, at
+The fused losses (:meth:`~..common.autograd.Backend.fused_loss`: gradients formed in the forward, at
 every hidden size, :attr:`TritonFused.forward_gradients_min_hidden`) take from here the chunk's
 float32 logits (``_logits_kernel``, the statistics kernel's tile loop), one row kernel that forms
 each token's statistics, loss term and derivatives and its logit gradient
@@ -64,10 +64,10 @@ from typing import Any
 
 import torch
 
-from .autograd import Backend, LocalStats, rows_of
+from ..common.autograd import Backend, LocalStats, rows_of
 from .triton_tiles import TILES, Tile, Tiles, _num_sms, cdiv
 from .triton_rows import TritonRows
-from .matmul import addmm_f32_
+from ..common.matmul import addmm_f32_
 
 try:  # Triton is optional; the torch backend needs none of this.
     import triton
@@ -354,7 +354,7 @@ class TritonFused(TritonRows, Backend):
     def stats_with_prologue(self, x, weight, labels, prologue):
         """:meth:`stats` on one rank with the prologue's work folded into its launches, for a
         scalar coefficient: ``prologue`` is ``(coef, ignore_index, v_total, vocab_start,
-        v_local)`` (:attr:`~.options.KernelParams.prologue`), ``labels`` the global ids. The
+        v_local)`` (:attr:`~..common.options.KernelParams.prologue`), ``labels`` the global ids. The
         statistics kernel takes the coefficient as a scalar and the merge forms each token's
         validity, coefficient and local row as the prologue's kernel does (a launch less).
         Returns :meth:`stats`'s six and ``(valid, coef, local labels)``."""

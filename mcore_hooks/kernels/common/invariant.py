@@ -7,7 +7,7 @@ own paths invariant). The Triton backend's passes sum each token in one order by
 (dX's too: a fixed shape of vocabulary segments, ``triton_kernels._hidden_grad_kernel``) and run
 as they are; what else goes through a BLAS does not: the torch backend's passes, and on
 either backend the dense products of wide id sets and the truncation's top-k statistics
-(:mod:`.candidates`, ``candidates_op.top_k_ids``). :class:`InvariantBlocks` gives those the same
+(:mod:`..passes.candidates`, ``candidates_op.top_k_ids``). :class:`InvariantBlocks` gives those the same
 shapes whatever the call: the tokens are cut into blocks of :func:`block_rows` (2048 on a GPU,
 64 on the CPU), each copied into a
 fresh ``[block, H]`` buffer (the last padded with zero rows that count for nothing: label none,
