@@ -52,12 +52,22 @@ def _version() -> str:
     return f"mcore-hooks {__version__} (Megatron Core {mcore})"
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Lists each command once, under "commands:": argparse's own listing puts the subparsers'
+    metavar (or ``{verify}``) on a line of its own above the commands, a second ``verify``."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if isinstance(action, argparse._SubParsersAction):
+            return "".join(self._format_action(sub) for sub in action._get_subactions())
+        return super()._format_action(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mcore-hooks", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="mcore-hooks", description=DESCRIPTION, formatter_class=_HelpFormatter
     )
     parser.add_argument("--version", action="version", version=_version())
-    commands = parser.add_subparsers(dest="command", metavar="verify", required=True)
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="command", required=True)
     verify = commands.add_parser(
         "verify",
         help="check every bundled processor against stock Megatron Core on tiny models",

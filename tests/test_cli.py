@@ -24,6 +24,27 @@ def test_help_says_what_the_tool_does():
     assert bad.returncode == 2 and "invalid choice: 'check'" in bad.stderr
 
 
+def test_help_lists_each_command_once():
+    """Each subcommand on one line of the help's "commands:" section, and nowhere else as a
+    listing (argparse's default adds the subparsers' metavar, ``verify``, as a line above it)."""
+    import argparse
+
+    from mcore_hooks.cli import _parser
+
+    subparsers = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    names = [n for a in subparsers for n in a.choices]
+    assert names == ["verify"]
+    out = subprocess.run(CLI + ["--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    listing = out.stdout.split("\ncommands:\n", 1)[1].splitlines()
+    usage = out.stdout.splitlines()[0]
+    for name in names:
+        assert [line.split()[0] for line in listing if line.strip()].count(name) == 1, out.stdout
+        listed = [line for line in out.stdout.splitlines() if re.match(rf"\s+\{{?{name}\}}?(\s|$)", line)]
+        assert len(listed) == 1, listed
+        assert usage.count(name) == 0, usage  # "usage: mcore-hooks [-h] [--version] command ..."
+
+
 def test_verify_reports_the_verdict_first_and_the_table_on_request():
     """The verdict on the second line (then only failing rows), not at the end of 400 rows; the
     whole table with --table; no notes Megatron prints about a machine without CUDA."""
