@@ -110,10 +110,11 @@ class PolicyLossProcessor(_FusedProcessor):
     from elsewhere); ``advantages`` may also be one per sequence (GRPO's), ``[b]``, or one per
     packed sequence with packed THD input, spread over the sequence's tokens (this rank's under
     context parallelism): the same loss and gradients as its ``[b, s]`` broadcast
-    (:meth:`sequence_inputs` names the inputs that may). The tokens that count are those whose label is not ``ignore_index``, times
-    ``loss_mask`` when the model got one. Aggregation as verl's ``agg_loss``: ``token-mean``,
-    ``token-sum``, ``seq-mean-token-sum``, ``seq-mean-token-mean`` (a sequence is a row of the
-    batch, or a packed sequence of THD input).
+    (:meth:`sequence_inputs` names the inputs that may). The tokens that count are those whose
+    label is not ``ignore_index``, times ``loss_mask`` when the model got one. Aggregation as
+    verl's ``agg_loss``: ``token-mean``, ``token-sum``, ``seq-mean-token-sum``,
+    ``seq-mean-token-mean`` (a sequence is a row of the batch, or a packed sequence of THD
+    input).
 
     Under context parallelism the value is the whole sequences' on every CP rank (counts summed
     over the CP group) and each rank's gradient its own tokens' share, as
