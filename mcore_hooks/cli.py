@@ -16,17 +16,31 @@ selected-token log-probabilities, entropy and linear cross-entropy that never bu
 [tokens, vocab] logits.
 
 `mcore-hooks verify` builds tiny models of each class the installed Megatron Core has, runs every
-bundled processor through the hook and the stock path side by side, and compares values and
-gradients: float32 models against stock (bitwise or to float32 rounding), bf16 models against
-float64 (at least as accurate as stock; gradients up to one bf16 rounding of the result). It
-exits with status 1 on any mismatch.
+bundled processor (and, on GPTModel, the verl and NeMo RL integrations') through the hook and the
+stock path side by side, and compares values and gradients: float32 models against stock
+(bitwise or to float32 rounding), bf16 models against float64 (at least as accurate as stock;
+gradients up to one bf16 rounding of the result). It reports its progress on stderr, names every
+processor it checked, and exits with status 1 on any mismatch.
 """
+
+
+def _progress(line: str) -> None:
+    """One line of progress on stderr, at once (stdout keeps the report: ``--json`` stays JSON);
+    from rank 0 only where the checks run on several ranks."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_rank() != 0:
+            return
+        if dist.get_world_size() > 1:
+            line = f"{line} (rank 0 of {dist.get_world_size()})"
+    print(f"mcore-hooks verify: {line}", file=sys.stderr, flush=True)
 
 
 def _verify_rank(device: str, model_classes: Optional[list]) -> list:
     from .verify import run_checks
 
-    return run_checks(device=device, model_classes=model_classes)
+    return run_checks(device=device, model_classes=model_classes, progress=_progress)
 
 
 def _megatron_core_version() -> str:
@@ -52,19 +66,30 @@ def _version() -> str:
     return f"mcore-hooks {__version__} (Megatron Core {mcore})"
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Lists each command once, under "commands:": argparse's own listing puts the subparsers'
+    metavar (or ``{verify}``) on a line of its own above the commands, a second ``verify``."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if isinstance(action, argparse._SubParsersAction):
+            return "".join(self._format_action(sub) for sub in action._get_subactions())
+        return super()._format_action(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mcore-hooks", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="mcore-hooks", description=DESCRIPTION, formatter_class=_HelpFormatter
     )
     parser.add_argument("--version", action="version", version=_version())
-    commands = parser.add_subparsers(dest="command", metavar="verify", required=True)
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="command", required=True)
     verify = commands.add_parser(
         "verify",
         help="check every bundled processor against stock Megatron Core on tiny models",
         description="Build a tiny model of each supported class on the installed Megatron Core, "
-        "run every bundled processor through the hook and the stock path, and compare values and "
-        "gradients (float32 models against stock, bf16 models against float64). Exit status 1 on "
-        "any mismatch.",
+        "run every bundled processor (and, on GPTModel, the verl and NeMo RL integrations') "
+        "through the hook and the stock path, and compare values and gradients (float32 models "
+        "against stock, bf16 models against float64). Progress on stderr, one line a class and "
+        "group; the report on stdout. Exit status 1 on any mismatch.",
     )
     verify.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     verify.add_argument(
@@ -114,6 +139,12 @@ def verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[i
         if missing:
             why = " (HybridModel arrived in Megatron Core 0.18)" if "hybrid" in missing else ""
             parser.error(f"--model: not in Megatron Core {version}: {', '.join(missing)}{why}")
+        from .verify import PRECISION_CHECKS, PROCESSOR_CHECKS, processor_names
+
+        n = len(processor_names(c.name for c in PROCESSOR_CHECKS + PRECISION_CHECKS))
+        print(f"mcore-hooks verify: {n} processors on {', '.join(classes)} at TP "
+              f"{', '.join(map(str, args.tp))}, float32 against stock and bf16 against float64; one "
+              "line a class and group as they finish", file=sys.stderr, flush=True)
         results = []
         for tp in args.tp:
             if tp == 1:
@@ -124,12 +155,13 @@ def verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[i
     status = 0 if all(r.passed for r in results) else 1
     meta = dict(megatron_core=version, torch=torch.__version__, device=args.device)
     if args.json:
-        return status, to_json(results, **meta)
+        return status, to_json(results, **meta, processors=processor_names(r.processor for r in results))
     failed = [r for r in results if not r.passed]
     lines = [
         f"mcore-hooks verify: Megatron Core {version}, torch {meta['torch']}, device {args.device}",
         f"{len(results) - len(failed)} passed, {len(failed)} failed",
         _coverage(results, args.tp),
+        _checked(results),
     ]
     if args.table:
         lines += ["", format_table(results)]
@@ -141,14 +173,28 @@ def verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[i
 
 
 def _coverage(results: list, tps: list) -> str:
-    """What the checks covered, in one line: model classes, TP degrees, layouts, processors."""
+    """What the checks covered, in one line: model classes, TP degrees, layouts."""
     models = sorted({r.model for r in results})
-    processors = sorted({r.processor.split(",")[0] for r in results} - {"hook off (None)"})
     layouts = {part for r in results for part in r.layout.split()[1:]}
     return (f"covered: {', '.join(models)} at TP {', '.join(map(str, tps))}, float32 and bf16, "
-            f"{' and '.join(sorted(layouts & {'packed', 'tied', 'untied'}))} outputs; "
-            f"{', '.join(processors)} through the hook, values and gradients against the stock path "
-            "(float32) or float64 (bf16)")
+            f"{' and '.join(sorted(layouts & {'packed', 'tied', 'untied'}))} outputs; every "
+            "processor through the hook, values and gradients against the stock path (float32) or "
+            "float64 (bf16)")
+
+
+def _checked(results: list) -> str:
+    """Every processor the checks ran, by name, in one line; those run on some classes only
+    (the integrations: verl and NeMo RL run GPTModel) say which, and why."""
+    from .verify import processor_names
+
+    models = sorted({r.model for r in results})
+    names, some = [], False
+    for name in processor_names(r.processor for r in results):
+        on = sorted({r.model for r in results if r.processor.split(",")[0] == name})
+        some = some or on != models
+        names.append(name if on == models else f"{name} ({' and '.join(on)} only)")
+    why = "; the integrations on gpt only: verl and NeMo RL run GPTModel" if some else ""
+    return f"processors checked ({len(names)}): {', '.join(names)}{why}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -273,7 +273,18 @@ class PostprocessProcessor(abc.ABC):
             )
         return super().__new__(cls)
 
-    def __call__(self, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # The hook passes keywords only; *args is here to say so instead of Python's bare
+        # "__call__() takes 1 positional argument but 3 were given".
+        if args or not kwargs:
+            name = type(self).__name__
+            got = f"{len(args)} positional argument(s)" if args else "no arguments"
+            raise TypeError(
+                f"{name} is an output processor: pass it to the model, "
+                f"model(..., output_processor={name}(...)), which calls it with Megatron Core's "
+                f"output_processor keywords ({', '.join(OUTPUT_PROCESSOR_KEYWORDS[:3])}, ...); "
+                f"called directly it takes those keywords only, got {got}"
+            )
         return self.process(PostprocessContext.from_kwargs(kwargs))
 
     @property

@@ -1,4 +1,5 @@
-"""The equivalence check: every bundled processor, through the hook, against the stock model.
+"""The equivalence check: every bundled processor, through the hook, against the stock model;
+the integrations' (verl's, NeMo RL's) on GPTModel, the model those frameworks run.
 
 Two kinds of check, for each supported model class of the installed Megatron Core, each parallel
 layout and tied / untied output weights:
@@ -23,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -31,12 +33,15 @@ from . import compat
 from .kernels import PolicyLoss
 from .hooked import hooked_class
 from .postprocess import DefaultProcessor, PostprocessContext
+from .integrations import FusedOutputProcessorContext, NemoRLLogprobProcessor, VerlFusedProcessor
 from .processors import (
     EntropyProcessor,
     FusedLogprobProcessor,
     LinearCEProcessor,
     LogprobEntropyProcessor,
     PolicyLossProcessor,
+    SelectedLogprobProcessor,
+    TopKDistillationProcessor,
 )
 from .testing import (
     TinyModelConfig,
@@ -49,7 +54,7 @@ from .testing import (
 
 __all__ = [
     "CheckResult", "ProcessorCheck", "PrecisionCheck", "PROCESSOR_CHECKS", "PRECISION_CHECKS",
-    "run_checks", "format_table",
+    "run_checks", "format_table", "processor_names",
 ]
 
 
@@ -60,6 +65,9 @@ class ProcessorCheck:
 
     ``tolerance`` is the largest allowed relative error of values and gradients; 0 means bitwise.
     ``context``: the ``output_processor_context`` the processor takes, made from the batch.
+    ``inputs``: the model's keyword arguments made from the tiny batch (None: the batch as
+    made), for a processor whose framework calls the model its own way (NeMo RL:
+    ``labels=input_ids``). ``models``: the model classes it runs on (None: every class).
     """
 
     name: str
@@ -68,6 +76,8 @@ class ProcessorCheck:
     with_labels: bool
     tolerance: float = 0.0
     context: Optional[Callable[[dict], Any]] = None
+    inputs: Optional[Callable[[dict], dict]] = None
+    models: Optional[tuple[str, ...]] = None
 
 
 def _stock(model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -145,8 +155,200 @@ def _stock_policy(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     ent = -(logp.exp() * logp).sum(-1)
     return _policy_value(lp, ent, batch.get("loss_mask"), _policy_inputs(batch)).float()
 
+
+def _gathered_logp(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The stock model's gathered logits, a float64 log-softmax: ``[b, s, V]``."""
+    kwargs = {k: v for k, v in batch.items() if k not in ("labels", "loss_mask")}
+    return torch.log_softmax(model(**kwargs, runtime_gather_output=True).double(), dim=-1)
+
+
+def _id_sets(batch: dict, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``K = 4`` distinct vocabulary ids per position, ``[b, s, K]`` (-1 padding at some), and a
+    teacher's full-vocabulary log-probs of them: a random teacher's top-k, fixed by the labels'
+    shape."""
+    labels = batch["labels"]
+    g = torch.Generator().manual_seed(seed)
+    teacher = torch.log_softmax(2.0 * torch.randn(*labels.shape, TinyModelConfig.vocab_size, generator=g), -1)
+    logprobs, ids = teacher.topk(4, dim=-1)
+    pad = torch.rand(labels.shape, generator=g) < 0.25  # a position's last id: padding
+    ids[..., -1] = torch.where(pad, -1, ids[..., -1])
+    ids[0, 0] = -1  # a position with no id at all
+    return ids.to(labels.device), logprobs.to(labels.device)
+
+
+def _selected_inputs(batch: dict) -> dict:
+    return {"selected_ids": _id_sets(batch, 4321)[0]}
+
+
+def _teacher_inputs(batch: dict) -> dict:
+    ids, logprobs = _id_sets(batch, 5678)
+    return {"teacher_ids": ids, "teacher_logprobs": logprobs}
+
+
+class _SelectedValues(SelectedLogprobProcessor):
+    """``SelectedLogprobProcessor(with_label=True)``'s two outputs as one ``[b, s, K + 1]``: the
+    ids' log-probs, then the label's."""
+
+    def process(self, ctx: PostprocessContext) -> torch.Tensor:
+        out = super().process(ctx)
+        return torch.cat([out["selected"], out["logprobs"].unsqueeze(-1)], dim=-1)
+
+
+def _selected_value(logp: torch.Tensor, labels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """From ``[b, s, V]`` log-probs: the ids' (0 at padding) and the label's, ``[b, s, K + 1]``."""
+    sel = torch.where(ids >= 0, logp.gather(-1, ids.clamp(min=0)), 0.0)
+    return torch.cat([sel, logp.gather(-1, labels.unsqueeze(-1))], dim=-1)
+
+
+def _stock_selected(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    ids = _selected_inputs(batch)["selected_ids"]
+    return _selected_value(_gathered_logp(model, batch), batch["labels"], ids).float()
+
+
+# The distillation checks' losses: verl's forward_kl_topk (the default: the teacher's log-probs as
+# given, the KL clamped at 0, the token mean), and NeMo RL's mixed KL against a teacher
+# renormalised over its top-k, the student too ("both") or the student's mass outside the top-k
+# against a teacher log-prob of -100 ("teacher": the entropy of the same pass), per sequence.
+_DISTILL_VERL: dict = {}
+_DISTILL_NEMO_TEACHER = dict(kl_type="mixed", mixed_kl_weight=0.3, renormalise="teacher", clamp_min=None,
+                             aggregation="seq-mean-token-mean")
+_DISTILL_NEMO_BOTH = dict(_DISTILL_NEMO_TEACHER, renormalise="both")
+
+
+class _DistillLoss(TopKDistillationProcessor):
+    """``TopKDistillationProcessor``'s loss alone (its per-token KL is a detached metric)."""
+
+    def process(self, ctx: PostprocessContext) -> torch.Tensor:
+        return super().process(ctx)["loss"]
+
+
+def _renormalise(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    norm = torch.logsumexp(torch.where(keep, values, -math.inf), -1, keepdim=True)
+    return torch.where(keep, values - norm, 0.0)
+
+
+def _distill_value(logp: torch.Tensor, mask: Optional[torch.Tensor], sequences: torch.Tensor,
+                   inputs: dict, options: dict) -> torch.Tensor:
+    """The top-k distillation loss of ``options`` (``TopKDistillationProcessor``'s keywords)
+    from ``[b, s, V]`` log-probs, written out over the teacher's top-k: ``KL(p || q)``,
+    ``KL(q || p)`` or ``w`` of the first plus ``1 - w`` of the second, then aggregated over
+    the counted tokens (``mask``) as verl's ``agg_loss``."""
+    kl_type, w = options.get("kl_type", "forward"), options.get("mixed_kl_weight", 0.5)
+    renormalise, clamp_min = options.get("renormalise"), options.get("clamp_min", 0.0)
+    ids = inputs["teacher_ids"]
+    counted = torch.ones_like(logp[..., 0]) if mask is None else mask.to(logp.dtype)
+    keep = (ids >= 0) & (counted[..., None] != 0)
+    log_p = torch.where(keep, inputs["teacher_logprobs"].to(logp.dtype), 0.0)
+    log_q = torch.where(keep, logp.gather(-1, ids.clamp(min=0)), 0.0)
+    if renormalise is not None:
+        log_p = _renormalise(log_p, keep)
+    if renormalise == "both":
+        log_q = _renormalise(log_q, keep)
+    p, q = torch.where(keep, log_p.exp(), 0.0), torch.where(keep, log_q.exp(), 0.0)
+    forward, reverse = (p * (log_p - log_q)).sum(-1), (q * (log_q - log_p)).sum(-1)
+    if renormalise == "teacher":  # the student's mass outside the top-k, the teacher's -100 there
+        outside = (logp.exp() * logp).sum(-1) - (q * log_q).sum(-1) + 100.0 * (1.0 - q.sum(-1))
+        reverse = reverse + torch.where(keep.any(-1), outside, 0.0)
+    kl = {"forward": forward, "reverse": reverse, "mixed": w * forward + (1 - w) * reverse}[kl_type]
+    if clamp_min is not None:
+        kl = kl.clamp(min=clamp_min)
+    kl = torch.where(counted != 0, kl, 0.0) * counted
+    if options.get("aggregation", "token-mean") == "token-mean":
+        return kl.sum() / counted.sum().clamp(min=1)
+    n = int(sequences.max()) + 1  # seq-mean-token-mean
+    seq = sequences.reshape(-1)
+    per_seq = kl.new_zeros(n).index_add_(0, seq, kl.reshape(-1))
+    count = kl.new_zeros(n).index_add_(0, seq, counted.reshape(-1))
+    return (per_seq / count.clamp(min=1)).sum() / (count > 0).sum().clamp(min=1)
+
+
+def _sequences(labels: torch.Tensor, packed_seq_params: Any) -> torch.Tensor:
+    """Each ``[b, s]`` position's sequence: its row, or its packed sequence (``cu_seqlens_q``)."""
+    if packed_seq_params is None:
+        return torch.arange(labels.shape[0], device=labels.device)[:, None].expand(labels.shape)
+    lengths = packed_seq_params.cu_seqlens_q.long().diff().to(labels.device)
+    return torch.repeat_interleave(torch.arange(lengths.shape[0], device=labels.device), lengths)[None]
+
+
+def _batch_sequences(batch: dict) -> torch.Tensor:
+    return _sequences(batch["labels"], batch.get("packed_seq_params"))
+
+
+def _stock_distill(options: dict) -> Callable[[torch.nn.Module, dict], torch.Tensor]:
+    def reference(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        return _distill_value(_gathered_logp(model, batch), batch.get("loss_mask"), _batch_sequences(batch),
+                              _teacher_inputs(batch), options).float()
+
+    return reference
+
+
+def _per_sample(batch: dict) -> torch.Tensor:
+    """One temperature per sample (per packed sequence of a packed batch)."""
+    params = batch.get("packed_seq_params")
+    n = batch["labels"].shape[0] if params is None else params.cu_seqlens_q.shape[0] - 1
+    return torch.tensor([0.6, 1.3, 0.9, 1.1][:n], device=batch["labels"].device)
+
+
+def _verl_context(batch: dict) -> FusedOutputProcessorContext:
+    return FusedOutputProcessorContext(temperature=_per_sample(batch))
+
+
+class _VerlValues(VerlFusedProcessor):
+    """``VerlFusedProcessor``'s ``VerlFusedOutput`` as one ``[2, tokens]``: log-probs, entropies."""
+
+    def process(self, ctx: PostprocessContext) -> torch.Tensor:
+        out = super().process(ctx)
+        return torch.stack([out.log_probs, out.entropy])
+
+
+def _verl_value(logits: torch.Tensor, labels: torch.Tensor, temperature: torch.Tensor,
+                sequences: torch.Tensor) -> torch.Tensor:
+    """verl's formula from ``[b, s, V]`` logits: each token's at its sample's temperature,
+    flattened over ``[b, s]``."""
+    logp = torch.log_softmax(logits / temperature.to(logits.dtype)[sequences].unsqueeze(-1), dim=-1)
+    lp = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return torch.stack([lp.reshape(-1), -(logp.exp() * logp).sum(-1).reshape(-1)])
+
+
+def _stock_verl(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    kwargs = {k: v for k, v in batch.items() if k not in ("labels", "loss_mask")}
+    logits = model(**kwargs, runtime_gather_output=True).double()
+    return _verl_value(logits, batch["labels"], _per_sample(batch), _batch_sequences(batch)).float()
+
+
+_NEMO_T = 0.7
+
+
+def _nemo_inputs(batch: dict) -> dict:
+    """NeMo RL's call: ``labels=input_ids`` (unshifted), no loss mask."""
+    out = {k: v for k, v in batch.items() if k != "loss_mask"}
+    out["labels"] = batch["input_ids"]
+    return out
+
+
+def _nemo_value(logp: torch.Tensor, ids: torch.Tensor, packed_seq_params: Any) -> torch.Tensor:
+    """``[B, S-1]`` log-probs of ``ids[:, 1:]`` from ``[b, s, V]`` log-probs at temperature;
+    0 at each packed sequence's last position (no label crosses a boundary)."""
+    lp = logp[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    if packed_seq_params is not None:
+        ends = packed_seq_params.cu_seqlens_q[1:-1].long().to(ids.device) - 1
+        lp = lp.index_fill(1, ends, 0.0)
+    return lp
+
+
+def _stock_nemo(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    kwargs = {k: v for k, v in batch.items() if k not in ("labels", "loss_mask")}
+    logp = torch.log_softmax(model(**kwargs, runtime_gather_output=True).double() / _NEMO_T, dim=-1)
+    return _nemo_value(logp, batch["input_ids"], batch.get("packed_seq_params")).float()
+
+
+# verl and NeMo RL run GPTModel (their Megatron backends build it): the integrations against it.
+_FRAMEWORK_MODELS = ("gpt",)
+
+_HOOK_OFF = "hook off (None)"  # the hooked class without a processor: stock's own path
+
 PROCESSOR_CHECKS: tuple[ProcessorCheck, ...] = (
-    ProcessorCheck("hook off (None), loss", lambda: None, _stock, with_labels=True),
+    ProcessorCheck(_HOOK_OFF + ", loss", lambda: None, _stock, with_labels=True),
     ProcessorCheck("DefaultProcessor, loss", DefaultProcessor, _stock, with_labels=True),
     ProcessorCheck("DefaultProcessor, logits", DefaultProcessor, _stock, with_labels=False),
     ProcessorCheck("FusedLogprobProcessor", FusedLogprobProcessor, _stock_logprob, True, _FP32),
@@ -167,6 +369,27 @@ PROCESSOR_CHECKS: tuple[ProcessorCheck, ...] = (
     ProcessorCheck(
         "PolicyLossProcessor", lambda: _PolicyLossValue(loss=_POLICY), _stock_policy, True, _FP32,
         context=_policy_inputs,
+    ),
+    ProcessorCheck(
+        "SelectedLogprobProcessor", lambda: _SelectedValues(with_label=True), _stock_selected, True,
+        _FP32, context=_selected_inputs,
+    ),
+    ProcessorCheck(
+        "TopKDistillationProcessor", _DistillLoss, _stock_distill(_DISTILL_VERL), True, _FP32,
+        context=_teacher_inputs,
+    ),
+    ProcessorCheck(
+        "TopKDistillationProcessor, mixed, teacher renormalised",
+        lambda: _DistillLoss(**_DISTILL_NEMO_TEACHER), _stock_distill(_DISTILL_NEMO_TEACHER), True,
+        _FP32, context=_teacher_inputs,
+    ),
+    ProcessorCheck(
+        "VerlFusedProcessor", _VerlValues, _stock_verl, True, _FP32, context=_verl_context,
+        models=_FRAMEWORK_MODELS,
+    ),
+    ProcessorCheck(
+        "NemoRLLogprobProcessor", lambda: NemoRLLogprobProcessor(temperature=_NEMO_T), _stock_nemo,
+        True, _FP32, inputs=_nemo_inputs, models=_FRAMEWORK_MODELS,
     ),
 )
 
@@ -189,6 +412,8 @@ class PrecisionCheck:
     stock: Callable[[PostprocessContext], torch.Tensor]
     exact: Callable[[torch.Tensor, PostprocessContext], torch.Tensor]
     context: Optional[Callable[[dict], Any]] = None
+    inputs: Optional[Callable[[dict], dict]] = None  # as ProcessorCheck's
+    models: Optional[tuple[str, ...]] = None  # as ProcessorCheck's
 
 
 def _stock_logits(ctx: PostprocessContext, gather: bool) -> torch.Tensor:
@@ -229,6 +454,28 @@ def _exact_policy(logp: torch.Tensor, ctx: PostprocessContext) -> torch.Tensor:
     return _policy_value(_exact_logprob(logp, ctx), _exact_entropy(logp, ctx), _mask(ctx), ctx.context)
 
 
+def _stock_logp_bs(ctx: PostprocessContext, temperature: Any = 1.0) -> torch.Tensor:
+    # the stock RL path: gathered bf16 logits, an fp32 log-softmax; [b, s, V]
+    return torch.log_softmax(_stock_logits(ctx, gather=True).float() / temperature, dim=-1).transpose(0, 1)
+
+
+def _ctx_sequences(ctx: PostprocessContext) -> torch.Tensor:
+    return _sequences(ctx.labels, ctx.packed_seq_params)
+
+
+def _stock_distill_bs(options: dict) -> Callable[[PostprocessContext], torch.Tensor]:
+    return lambda c: _distill_value(_stock_logp_bs(c), c.loss_mask, _ctx_sequences(c), c.context, options)
+
+
+def _exact_distill(options: dict) -> Callable[[torch.Tensor, PostprocessContext], torch.Tensor]:
+    return lambda p, c: _distill_value(p.transpose(0, 1), _mask(c), _ctx_sequences(c), c.context, options)
+
+
+def _verl_bf16(logits: torch.Tensor, ctx: PostprocessContext) -> torch.Tensor:
+    """verl's formula from ``[s, b, V]`` logits (or float64 log-probs: the same softmax)."""
+    return _verl_value(logits.transpose(0, 1), ctx.labels, ctx.context.temperature, _ctx_sequences(ctx))
+
+
 PRECISION_CHECKS: tuple[PrecisionCheck, ...] = (
     PrecisionCheck("FusedLogprobProcessor", FusedLogprobProcessor, _stock_logprob_bs, _exact_logprob),
     PrecisionCheck("EntropyProcessor", EntropyProcessor, _stock_entropy_bs, _exact_entropy),
@@ -254,6 +501,36 @@ PRECISION_CHECKS: tuple[PrecisionCheck, ...] = (
     PrecisionCheck(
         "PolicyLossProcessor", lambda: _PolicyLossValue(loss=_POLICY), _stock_policy_bs, _exact_policy,
         context=_policy_inputs,
+    ),
+    PrecisionCheck(
+        "SelectedLogprobProcessor", lambda: _SelectedValues(with_label=True),
+        lambda c: _selected_value(_stock_logp_bs(c), c.labels, c.context["selected_ids"]),
+        lambda p, c: _selected_value(p.transpose(0, 1), c.labels, c.context["selected_ids"]),
+        context=_selected_inputs,
+    ),
+    # NeMo RL's other form, both renormalised: the teacher-renormalised form's value is mostly
+    # the constant 100 (1 - sum q) of each token, which the logits' rounding hardly moves (both
+    # paths' values within float32 rounding of float64: "at least as accurate" a coin toss);
+    # the float32 checks hold it to stock, values and every gradient.
+    PrecisionCheck(
+        "TopKDistillationProcessor", _DistillLoss, _stock_distill_bs(_DISTILL_VERL),
+        _exact_distill(_DISTILL_VERL), context=_teacher_inputs,
+    ),
+    PrecisionCheck(
+        "TopKDistillationProcessor, mixed, both renormalised", lambda: _DistillLoss(**_DISTILL_NEMO_BOTH),
+        _stock_distill_bs(_DISTILL_NEMO_BOTH), _exact_distill(_DISTILL_NEMO_BOTH), context=_teacher_inputs,
+    ),
+    PrecisionCheck(
+        "VerlFusedProcessor", _VerlValues,
+        lambda c: _verl_bf16(_stock_logits(c, gather=True).float(), c), _verl_bf16,
+        context=_verl_context, models=_FRAMEWORK_MODELS,
+    ),
+    PrecisionCheck(
+        "NemoRLLogprobProcessor", lambda: NemoRLLogprobProcessor(temperature=_NEMO_T),
+        lambda c: _nemo_value(_stock_logp_bs(c, _NEMO_T), c.labels, c.packed_seq_params),
+        lambda p, c: _nemo_value(torch.log_softmax(p / _NEMO_T, -1).transpose(0, 1), c.labels,
+                                 c.packed_seq_params),
+        inputs=_nemo_inputs, models=_FRAMEWORK_MODELS,
     ),
 )
 
@@ -401,20 +678,52 @@ def run_checks(
     device: str = "cpu",
     model_classes: Optional[Sequence[str]] = None,
     precision_checks: Sequence[PrecisionCheck] = PRECISION_CHECKS,
+    progress: Optional[Callable[[str], None]] = None,
 ) -> list[CheckResult]:
     """Run every check for every class and layout on this rank (model parallel already set up):
     ``checks`` on float32 models against stock, ``precision_checks`` on bf16 models against
     float64.
 
     The tiny CPU models run inside a :func:`~mcore_hooks.testing.cpu_shims` scope: on return
-    Megatron Core is exactly as it was found.
+    Megatron Core is exactly as it was found. On the CPU they run on one thread (their matrices
+    are too small to share out; on a busy machine, or with several ranks, more threads wait on
+    each other): torch's thread count is put back on return.
+
+    ``progress``: called with one line after each class's float32 group and bf16 group (the
+    rows, how many passed, the seconds taken).
     """
-    with cpu_shims():
-        results = []
-        for model_class in model_classes or available_model_classes():
-            results += _stock_checks(checks, device, model_class)
-            results += _precision_checks(precision_checks, device, model_class)
-        return results
+    threads = torch.get_num_threads()
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        with cpu_shims():
+            results: list[CheckResult] = []
+            for model_class in model_classes or available_model_classes():
+                for what, run, group in (("float32 vs stock", _stock_checks, checks),
+                                         ("bf16 vs float64", _precision_checks, precision_checks)):
+                    start = time.perf_counter()
+                    rows = run(group, device, model_class)
+                    results += rows
+                    if progress is not None and rows:
+                        progress(_progress_line(model_class, what, rows, time.perf_counter() - start))
+            return results
+    finally:
+        torch.set_num_threads(threads)
+
+
+def processor_names(names: Iterable[str]) -> list[str]:
+    """The processors of checks or rows named ``names``, by class name, in order and once each
+    (``"LinearCEProcessor, sum"`` is ``LinearCEProcessor``; the hook-off row, stock itself, is
+    no processor)."""
+    return [n for n in dict.fromkeys(name.split(",")[0] for name in names) if n != _HOOK_OFF]
+
+
+def _progress_line(model_class: str, what: str, rows: Sequence[CheckResult], seconds: float) -> str:
+    names = processor_names(r.processor for r in rows)
+    layouts = len({r.layout for r in rows})
+    passed = sum(r.passed for r in rows)
+    return (f"{model_class} {rows[0].layout.split()[0]} {what}: {len(rows)} checks ({len(names)} "
+            f"processors, {layouts} layouts), {passed} passed, {len(rows) - passed} failed, {seconds:.1f} s")
 
 
 def _stock_checks(checks, device, model_class) -> list[CheckResult]:
@@ -436,8 +745,12 @@ def _stock_checks(checks, device, model_class) -> list[CheckResult]:
         _run(stock, lambda: stock(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in warm.items()}),
              seed=0)
         for i, check in enumerate(checks):
+            if check.models is not None and model_class not in check.models:
+                continue
             batch = tiny_batch(cfg, packed=packed, with_labels=check.with_labels, seed=i)
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            if check.inputs is not None:
+                batch = check.inputs(batch)
             processor = check.make()
             extra = {} if check.context is None else {"output_processor_context": check.context(batch)}
             ref, ref_grads = _run(stock, lambda: check.reference(stock, batch), seed=i)
@@ -473,8 +786,12 @@ def _precision_checks(checks, device, model_class) -> list[CheckResult]:
         model = build_tiny_model(cfg, model_cls=hooked_class(stock_model_class(model_class))).to(device)
         layout = _layout_name(tp, sp, packed, tied, "bf16")
         for i, check in enumerate(checks):
+            if check.models is not None and model_class not in check.models:
+                continue
             batch = tiny_batch(cfg, packed=packed, seed=100 + i)
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            if check.inputs is not None:
+                batch = check.inputs(batch)
             (v_ours, v_stock), (g_ours, g_stock), v_abs, g_abs = _precision_errors(
                 check, model, batch, seed=i
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import re
 import subprocess
 import sys
@@ -26,6 +27,27 @@ def test_help_says_what_the_tool_does():
     assert bad.returncode == 2 and "invalid choice: 'check'" in bad.stderr
 
 
+def test_help_lists_each_command_once():
+    """Each subcommand on one line of the help's "commands:" section, and nowhere else as a
+    listing (argparse's default adds the subparsers' metavar, ``verify``, as a line above it)."""
+    import argparse
+
+    from mcore_hooks.cli import _parser
+
+    subparsers = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    names = [n for a in subparsers for n in a.choices]
+    assert names == ["verify"]
+    out = subprocess.run(CLI + ["--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    listing = out.stdout.split("\ncommands:\n", 1)[1].splitlines()
+    usage = out.stdout.splitlines()[0]
+    for name in names:
+        assert [line.split()[0] for line in listing if line.strip()].count(name) == 1, out.stdout
+        listed = [line for line in out.stdout.splitlines() if re.match(rf"\s+\{{?{name}\}}?(\s|$)", line)]
+        assert len(listed) == 1, listed
+        assert usage.count(name) == 0, usage  # "usage: mcore-hooks [-h] [--version] command ..."
+
+
 @pytest.mark.slow
 def test_verify_reports_the_verdict_first_and_the_table_on_request():
     """The verdict on the second line (then only failing rows), not at the end of 400 rows; the
@@ -35,12 +57,55 @@ def test_verify_reports_the_verdict_first_and_the_table_on_request():
     version = importlib.metadata.version("megatron-core")
     lines = out.stdout.splitlines()
     assert lines[0].startswith(f"mcore-hooks verify: Megatron Core {version}, torch ")
-    assert re.fullmatch(r"\d+ passed, 0 failed", lines[1]) and len(lines) == 4, out.stdout
+    assert re.fullmatch(r"\d+ passed, 0 failed", lines[1]) and len(lines) == 5, out.stdout
     assert lines[2].startswith("covered: gpt at TP 1, float32 and bf16") and "through the hook" in lines[2]
+    assert lines[3].startswith("processors checked (")
     notes = re.compile("|".join(KNOWN_NOTES))
     assert not [line for line in out.stderr.splitlines() if notes.search(line)], out.stderr
     table = subprocess.run(CLI + QUICK + ["--table"], capture_output=True, text=True, timeout=300)
     assert table.returncode == 0 and "processor" in table.stdout and len(table.stdout.splitlines()) > 20
+
+
+def _public_processors() -> list[str]:
+    """Every processor a user can import: the package's exports (``mcore_hooks.__all__``) and
+    the integrations', by class; a new one without a verify check fails the test below."""
+    import mcore_hooks
+    import mcore_hooks.integrations
+    from mcore_hooks import PostprocessProcessor
+
+    found = [getattr(mcore_hooks, n) for n in mcore_hooks.__all__]
+    found += [getattr(mcore_hooks.integrations, n) for n in mcore_hooks.integrations.__all__]
+    return [c.__name__ for c in found if isinstance(c, type) and issubclass(c, PostprocessProcessor)
+            and c is not PostprocessProcessor]
+
+
+def test_verify_names_every_public_processor_and_reports_progress():
+    """The report names every processor it checked, and every public processor is among them;
+    stderr says how it goes, one flushed line per class and group with its counts (stdout keeps
+    the report alone: --json stays JSON)."""
+    public = _public_processors()
+    assert {"SelectedLogprobProcessor", "TopKDistillationProcessor", "VerlFusedProcessor",
+            "NemoRLLogprobProcessor"} <= set(public)
+    out = subprocess.run(CLI + QUICK, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    checked = [line for line in out.stdout.splitlines() if line.startswith("processors checked (")]
+    assert len(checked) == 1, out.stdout
+    # "A, B (gpt only), ...; why": the names without what follows them
+    names = [n.split(" (")[0] for n in checked[0].split(": ", 1)[1].split("; ")[0].split(", ")]
+    assert checked[0].startswith(f"processors checked ({len(names)}): ")
+    missing = [n for n in public if n not in names]
+    assert not missing, f"public processors verify does not check: {missing}"
+    progress = [line for line in out.stderr.splitlines() if line.startswith("mcore-hooks verify: ")]
+    assert progress[0].startswith(f"mcore-hooks verify: {len(names)} processors on gpt at TP 1"), out.stderr
+    groups = [re.fullmatch(r"mcore-hooks verify: gpt tp1 (float32 vs stock|bf16 vs float64): (\d+) checks "
+                           r"\((\d+) processors, 4 layouts\), (\d+) passed, 0 failed, [\d.]+ s", line)
+              for line in progress[1:]]
+    assert len(groups) == 2 and all(groups), out.stderr
+    assert [g[1] for g in groups] == ["float32 vs stock", "bf16 vs float64"]
+    assert int(groups[0][3]) == len(names)  # every processor has a float32 check against stock
+    assert sum(int(g[4]) for g in groups) == int(out.stdout.splitlines()[1].split()[0])
+    as_json = subprocess.run(CLI + QUICK + ["--json"], capture_output=True, text=True, timeout=300)
+    assert json.loads(as_json.stdout)["processors"] == names
 
 
 def test_version_and_the_commands_own_usage_in_its_errors():

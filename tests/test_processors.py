@@ -88,6 +88,27 @@ def test_verify_catches_a_slightly_wrong_processor():
     assert isinstance(bad_bf16, PrecisionCheck)
 
 
+def _off_by(factor, make):
+    """``make``'s processor with every output scaled by ``factor``."""
+    def processor(**kwargs):
+        out = make()(**kwargs)
+        return tuple(o * factor for o in out) if isinstance(out, tuple) else out * factor
+
+    return lambda: processor
+
+
+def test_every_check_catches_its_processor_slightly_wrong():
+    """Each check of every processor (the integrations' too) fails a processor off by one part
+    in 10**4 (float32 against stock) or 10**3 (bf16 against float64: stock's own values are
+    2**-9-rounded logits away): no check passes whatever the processor returns."""
+    fp32 = [dataclasses.replace(c, make=_off_by(1 + 1e-4, c.make)) for c in PROCESSOR_CHECKS
+            if c.make() is not None]
+    bf16 = [dataclasses.replace(c, make=_off_by(1 + 1e-3, c.make)) for c in PRECISION_CHECKS]
+    rows = run_checks(fp32, model_classes=["gpt"], precision_checks=bf16)
+    assert {r.processor for r in rows} == {c.name for c in fp32 + bf16}
+    assert not [r for r in rows if r.passed]
+
+
 @pytest.mark.parametrize("model_class", available_model_classes())
 def test_bf16_processor_at_least_as_accurate_as_stock(model_class):
     cfg = TinyModelConfig(model_class=model_class, params_dtype=torch.bfloat16, tied=False)

@@ -149,3 +149,41 @@ def test_a_processors_repr_shows_its_options():
     assert "aggregation='seq-mean-token-sum'" in text and "loss=PolicyLoss(clip_low=0.2" in text
     per_sample = repr(PolicyLossProcessor(temperature=torch.full((3,), 0.5)))
     assert "temperature=tensor(shape=(3,), dtype=torch.float32)" in per_sample
+
+
+def _processor_classes():
+    """Every public processor class: the package's exports and both integrations."""
+    import mcore_hooks
+    from mcore_hooks import PostprocessProcessor
+    from mcore_hooks.integrations import NemoRLLogprobProcessor, VerlFusedProcessor
+
+    exported = [getattr(mcore_hooks, n) for n in mcore_hooks.__all__]
+    classes = [c for c in exported if isinstance(c, type) and issubclass(c, PostprocessProcessor)
+               and c is not PostprocessProcessor]
+    return classes + [VerlFusedProcessor, NemoRLLogprobProcessor]
+
+
+@pytest.mark.parametrize("cls", _processor_classes(), ids=lambda c: c.__name__)
+def test_a_processor_called_with_positional_arguments_says_to_pass_it_to_the_model(cls):
+    """``proc(hidden, labels)`` (as one calls a loss function) is not how the hook calls it: the
+    error names the processor and says model(..., output_processor=...), not Python's bare
+    "__call__() takes 1 positional argument but 3 were given"."""
+    kw, labels = _keywords()
+    proc = cls()
+    for args in ((kw["hidden_states"], labels), ()):
+        with pytest.raises(TypeError) as err:
+            proc(*args)
+        msg = str(err.value)
+        assert f"{cls.__name__} is an output processor" in msg, msg
+        assert f"model(..., output_processor={cls.__name__}(...))" in msg, msg
+        assert (f"got {len(args)} positional argument(s)" if args else "got no arguments") in msg, msg
+        assert "takes 1 positional argument" not in msg
+    # the hook's call, keywords only, still reaches the processor (those needing a context say
+    # so; DefaultProcessor calls the output layer, a plain Linear here)
+    if cls.__name__ == "DefaultProcessor":
+        return
+    if cls.__name__ in ("PolicyLossProcessor", "SelectedLogprobProcessor", "TopKDistillationProcessor"):
+        with pytest.raises(ValueError, match="output_processor_context"):
+            proc(**kw)
+    else:
+        assert proc(**kw) is not None

@@ -19,7 +19,7 @@ from ..kernels import (
 )
 from ..kernels.common.losses import AGGREGATIONS
 from ..postprocess import PostprocessContext
-from .labels import sequence_index
+from .labels import is_thd, sequence_index
 from .fused import (
     KeptSet,
     _check_flag,
@@ -107,10 +107,14 @@ class PolicyLossProcessor(_FusedProcessor):
     inputs the loss takes (for :class:`~mcore_hooks.kernels.PolicyLoss`: ``old_logprobs``,
     ``advantages`` and, with a KL term, ``ref_logprobs``) come as float ``[b, s]`` tensors in a
     mapping passed as ``output_processor_context`` (override :meth:`policy_inputs` to take them
-    from elsewhere). The tokens that count are those whose label is not ``ignore_index``, times
-    ``loss_mask`` when the model got one. Aggregation as verl's ``agg_loss``: ``token-mean``,
-    ``token-sum``, ``seq-mean-token-sum``, ``seq-mean-token-mean`` (a sequence is a row of the
-    batch, or a packed sequence of THD input).
+    from elsewhere); ``advantages`` may also be one per sequence (GRPO's), ``[b]``, or one per
+    packed sequence with packed THD input, spread over the sequence's tokens (this rank's under
+    context parallelism): the same loss and gradients as its ``[b, s]`` broadcast
+    (:meth:`sequence_inputs` names the inputs that may). The tokens that count are those whose
+    label is not ``ignore_index``, times ``loss_mask`` when the model got one. Aggregation as
+    verl's ``agg_loss``: ``token-mean``, ``token-sum``, ``seq-mean-token-sum``,
+    ``seq-mean-token-mean`` (a sequence is a row of the batch, or a packed sequence of THD
+    input).
 
     Under context parallelism the value is the whole sequences' on every CP rank (counts summed
     over the CP group) and each rank's gradient its own tokens' share, as
@@ -190,7 +194,8 @@ class PolicyLossProcessor(_FusedProcessor):
         self.kept_set = kept_set
 
     def policy_inputs(self, ctx: PostprocessContext) -> dict:
-        """The per-token inputs, float ``[b, s]`` by name: ``output_processor_context``."""
+        """The loss' inputs by name, float ``[b, s]`` (or ``[b]``, for :meth:`sequence_inputs`):
+        ``output_processor_context``."""
         inputs = ctx.context
         if not isinstance(inputs, dict) and not hasattr(inputs, "items"):
             raise ValueError(
@@ -199,6 +204,29 @@ class PolicyLossProcessor(_FusedProcessor):
                 f"{type(inputs).__name__}"
             )
         return dict(inputs.items())
+
+    def sequence_inputs(self) -> tuple[str, ...]:
+        """The inputs that may come one per sequence, ``[b]`` (one per packed sequence with
+        packed THD input), each spread over its sequence's tokens: the loss's
+        ``sequence_inputs`` where it has that attribute, else ``("advantages",)`` (GRPO's
+        advantages are one per sequence; log-probs are per token)."""
+        return tuple(getattr(self.loss.fn, "sequence_inputs", ("advantages",)))
+
+    @staticmethod
+    def _per_sequence(name: str, t: torch.Tensor, seq: torch.Tensor, num_sequences: int,
+                      ctx: PostprocessContext) -> torch.Tensor:
+        """``[num_sequences]`` -> one per token, s-major: each sequence's value at its tokens
+        (this rank's under context parallelism; the trailing padding of a packed batch takes the
+        last sequence's, as its labels count for nothing), the same tensor a ``[b, s]``
+        broadcast gives."""
+        if t.shape[0] != num_sequences:
+            packed = is_thd(ctx.packed_seq_params) and seq.shape[0] == 1
+            per = (f"packed sequence ({num_sequences}, from packed_seq_params.cu_seqlens_q; a packed "
+                   "batch is one row, [1, total_tokens])" if packed else f"sample ({num_sequences})")
+            raise ValueError(
+                f"output_processor_context[{name!r}]: a 1-D tensor is one value per {per}, got "
+                f"{t.shape[0]}; or give one per token, [b, s]")
+        return t.to(seq.device)[seq.t().reshape(-1)]
 
     def process(self, ctx: PostprocessContext) -> Union[dict, tuple]:
         k = self.kernel_inputs(ctx)
@@ -213,11 +241,17 @@ class PolicyLossProcessor(_FusedProcessor):
         given.pop("sampling_mask", None)  # the kept set, not a loss input
         self.loss.check_inputs(given, "output_processor_context")
         inputs = {}
+        per_sequence = self.sequence_inputs()
         for name, t in given.items():
+            if isinstance(t, torch.Tensor) and t.dim() == 1 and name in per_sequence:
+                inputs[name] = self._per_sequence(name, t, seq, num_sequences, ctx)
+                continue
             if not isinstance(t, torch.Tensor) or t.shape != (b, s):
+                per = (f"; one per sequence, [{num_sequences}], for "
+                       f"{', '.join(map(repr, per_sequence))}" if per_sequence else "")
                 raise ValueError(
-                    f"output_processor_context[{name!r}]: expected a [b, s] = ({b}, {s}) tensor, "
-                    f"got {tuple(getattr(t, 'shape', ())) or type(t).__name__}"
+                    f"output_processor_context[{name!r}]: expected a [b, s] = ({b}, {s}) tensor "
+                    f"(one per token{per}), got {tuple(getattr(t, 'shape', ())) or type(t).__name__}"
                 )
             inputs[name] = t.t().reshape(-1)  # s-major, like the kernel's tokens
         counts = (token_weight != 0) & (k.labels != self.ignore_index)
