@@ -141,7 +141,8 @@ def verify(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[i
             parser.error(f"--model: not in Megatron Core {version}: {', '.join(missing)}{why}")
         from .verify import PRECISION_CHECKS, PROCESSOR_CHECKS, processor_names
 
-        n = len(processor_names(c.name for c in PROCESSOR_CHECKS + PRECISION_CHECKS))
+        n = len(processor_names(c.name for c in PROCESSOR_CHECKS + PRECISION_CHECKS
+                                if c.models is None or set(c.models) & set(classes)))
         print(f"mcore-hooks verify: {n} processors on {', '.join(classes)} at TP "
               f"{', '.join(map(str, args.tp))}, float32 against stock and bf16 against float64; one "
               "line a class and group as they finish", file=sys.stderr, flush=True)

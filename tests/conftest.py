@@ -11,11 +11,12 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Without ``--full``, the tests marked ``slow`` are deselected, unless asked for by node id
-    (``file::test``) or by a ``-m`` expression that names ``slow``."""
-    if config.getoption("--full") or "slow" in (config.option.markexpr or ""):
+    """``pytest`` alone (the tests folder) leaves out the tests marked ``slow``; ``--full``, a
+    ``-m`` expression that names ``slow``, ``-k``, or files / tests named on the command line run
+    what they select, slow or not."""
+    if config.getoption("--full") or "slow" in (config.option.markexpr or "") or config.option.keyword:
         return
-    if any("::" in arg for arg in config.args):
+    if config.args_source == pytest.Config.ArgsSource.ARGS:
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
     if slow:

@@ -13,7 +13,6 @@ import socket
 import sys
 from typing import Any, Callable
 
-import pytest
 import torch
 
 
@@ -77,7 +76,6 @@ def _in_fresh_process(fn: Callable[[], Any]) -> Any:
         return pool.submit(fn).result(timeout=300)
 
 
-@pytest.mark.slow
 def test_verify_leaves_megatron_as_found():
     passed, inside, changed = _in_fresh_process(_after_verify)
     assert passed
@@ -88,7 +86,6 @@ def test_verify_leaves_megatron_as_found():
     assert changed == []
 
 
-@pytest.mark.slow
 def test_builders_leave_megatron_as_found():
     after_build, after_scope = _in_fresh_process(_after_builders)
     assert after_build == [] and after_scope == []

@@ -49,7 +49,7 @@ class KernelParams:
         sequence_parallel: ``hidden`` is this rank's token shard (gathered, gradient scattered).
         chunk_size: tokens per chunk of the backend's loops.
         backend: the name of the backend that runs the loops (``"torch"`` or ``"triton"``; the
-            ops build the :class:`~mcore_hooks.kernels.autograd.Backend` where they run).
+            ops build the :class:`~mcore_hooks.kernels.common.autograd.Backend` where they run).
         weight_grad_accumulator: a float32 ``[V_local, H]`` tensor the weight's gradient is added
             into (Megatron's ``main_grad``) instead of being returned; None: returned as usual.
         dummy_weight_grad: with an accumulator, return a zero-stride zero tensor as the weight's
