@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     n = getattr(config, "_mcore_hooks_slow", 0)
     if n:
-        terminalreporter.write_line(f"{n} slow tests deselected: `pytest --full` runs them too (CI does)")
+        terminalreporter.write_line(f"{n} slow tests deselected: `pytest --full` runs them too")
 
 
 def pytest_configure(config):
