@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import datetime
 import queue as queue_module
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -17,12 +17,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(module: str, name: str, rank: int, world: int, port: int, results: Any,
             environ: dict) -> None:
     os.environ.clear()  # the caller's, as a spawned rank has it (not the fork server's)
@@ -30,8 +24,8 @@ def _worker(module: str, name: str, rank: int, world: int, port: int, results: A
     reported = False
     try:
         torch.set_num_threads(1)  # the ranks share a small CPU box
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=240))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         try:
             fn = getattr(importlib.import_module(module), name)
             try:
@@ -73,7 +67,9 @@ def run_gloo_ranks(fn: Callable[[int, int], Any], world: int, timeout: float = 2
     ("terminate called without an active exception", seen in CI) after the results are in."""
     ctx = _context()
     results = ctx.Queue()
-    port = _free_port()
+    # the group's store served from here, on a port the system picks: no probe to race
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_worker, args=(fn.__module__, fn.__name__, r, world, port, results,
                                                dict(os.environ)),
                          daemon=True) for r in range(world)]

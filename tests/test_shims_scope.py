@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
-import socket
 import sys
 from typing import Any, Callable
 
@@ -34,10 +33,7 @@ def _own_parallel_state() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
 
 

@@ -400,28 +400,3 @@ def test_hook_keywords_are_the_protocols_in_order() -> None:
     assert tuple(kw) == OUTPUT_PROCESSOR_KEYWORDS
     assert kw["config"].context_parallel_size == 1
     assert kw["compute_language_model_loss"].__self__.cp_group is None
-
-
-def _rank_of() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank()
-
-
-def test_run_on_ranks_tries_again_when_its_port_is_taken(monkeypatch) -> None:
-    """The free-port probe races with other processes (test runs side by side): when rank 0
-    cannot listen on the port, nothing has run, and a new port is tried."""
-    import socket
-
-    from mcore_hooks.testing import distributed
-
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    ports = iter([taken.getsockname()[1]])
-    real = distributed._free_port
-    monkeypatch.setattr(distributed, "_free_port", lambda: next(ports, None) or real())
-    try:
-        assert run_on_ranks(_rank_of, 2, tp=1, timeout=120) == [0, 1]
-    finally:
-        taken.close()

@@ -15,7 +15,6 @@ import inspect
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable, Iterator, Optional
@@ -30,12 +29,6 @@ __all__ = ["DEFAULT_SEED", "model_parallel", "run_on_ranks"]
 
 #: Seed given to ``torch.manual_seed`` and ``model_parallel_cuda_manual_seed`` by the helpers.
 DEFAULT_SEED = 1234
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _initialize_model_parallel(tp: int, cp: int) -> None:
@@ -57,7 +50,7 @@ def model_parallel(tp: int = 1, cp: int = 1, *, seed: int = DEFAULT_SEED) -> Ite
     Re-entrant: when the state already exists with the same ``tp``/``cp`` it is reused (only
     torch is re-seeded) and left for its owner to destroy; other sizes raise ``RuntimeError``.
 
-    With no process group yet, creates a single-rank gloo group on 127.0.0.1 (so only
+    With no process group yet, creates a single-rank gloo group (so only
     ``tp * cp == 1`` works) and destroys it on exit; otherwise uses the existing group, whose
     world size must be a multiple of ``tp * cp`` (the rest is data parallel). The body runs inside
     a :func:`~mcore_hooks.testing.cpu_shims` scope (everything it patches is put back on exit),
@@ -91,9 +84,8 @@ def model_parallel(tp: int = 1, cp: int = 1, *, seed: int = DEFAULT_SEED) -> Ite
                 f"model_parallel(tp={tp}, cp={cp}) needs {tp * cp} ranks; this process has no "
                 "process group: use run_on_ranks to spawn them"
             )
-        dist.init_process_group(
-            backend="gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-        )
+        # an in-process store: no port to find, none another process could take
+        dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
         created_group = True
     elif dist.get_world_size() % (tp * cp) != 0:
         raise ValueError(
@@ -136,9 +128,13 @@ def _worker(
             # Ranks share a small CPU box: one thread each avoids oversubscription.
             torch.set_num_threads(1)
             fn, args, kwargs = pickle.loads(payload)
+            # the parent's store: it listens on a port the system gave it, so no free-port probe
+            # can race another process (test runs side by side) for it
+            store = dist.TCPStore("127.0.0.1", port, None, False,
+                                  timeout=datetime.timedelta(seconds=timeout))
             dist.init_process_group(
                 backend="gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
+                store=store,
                 rank=rank,
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=timeout),
@@ -171,7 +167,8 @@ def run_on_ranks(
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned CPU ranks; return results by rank.
 
-    Each rank joins a gloo process group on 127.0.0.1 (free port), initialises Megatron's model
+    Each rank joins a gloo process group on 127.0.0.1 (its store served by this process on a port
+    the system picks), initialises Megatron's model
     parallel state with ``tensor_model_parallel_size=tp or world_size`` and
     ``context_parallel_size=cp`` (see :func:`model_parallel`: CPU shims installed, torch and the
     RNG tracker seeded with :data:`DEFAULT_SEED`), runs ``fn`` and tears everything down. ``fn``
@@ -185,15 +182,7 @@ def run_on_ranks(
     if world_size < 1 or world_size % (tp * cp) != 0:
         raise ValueError(f"world_size={world_size} is not a positive multiple of tp*cp={tp * cp}")
     payload = pickle.dumps((fn, args, kwargs))  # fail here, not in a child, if unpicklable
-    for attempt in range(3):
-        try:
-            return _run_once(fn, world_size, tp, cp, timeout, payload)
-        except _PortTaken:
-            # the free port was taken by another process before rank 0 listened on it (a race
-            # of the free-port probe, seen with test runs side by side): nothing ran; again
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    return _run_once(fn, world_size, tp, cp, timeout, payload)
 
 
 def _rank_context():
@@ -217,15 +206,13 @@ def _rank_context():
     return ctx
 
 
-class _PortTaken(RuntimeError):
-    """Rank 0 could not listen on the port chosen: the group never formed, ``fn`` never ran."""
-
-
 def _run_once(fn: Callable[..., Any], world_size: int, tp: int, cp: int, timeout: float,
               payload: bytes) -> list[Any]:
     ctx = _rank_context()
     results = ctx.Queue()
-    port = _free_port()
+    # the group's store, served from here until the ranks are gone
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    port = store.port
     environ = dict(os.environ)
     procs = [
         ctx.Process(
@@ -272,8 +259,6 @@ def _run_once(fn: Callable[..., Any], world_size: int, tp: int, cp: int, timeout
                 else:
                     continue
             if status == "err":
-                if "EADDRINUSE" in data and "init_process_group" in data:
-                    raise _PortTaken(data)
                 note = ""
                 time.sleep(0.2)  # let a rank whose death caused this error be seen as dead
                 dead = [r for r in _dead_silent_ranks(procs, outputs) if r != rank]
