@@ -25,14 +25,14 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 
 from .common.debug import check_values
-from .passes import ops, stats_op
+from .passes import stats_op
 from .passes.arguments import (  # noqa: F401  (re-exported: the entry points' argument checks and backend choice)
     BACKENDS, _id_matrix, _nan_where, _prepare, _token_vector, backend_for, backend_name,
     check_upstream_grad_option, default_chunk_size, triton_unavailable,
 )
 from .common.autograd import TokenLoss
 from .common.comm import group_rank_size
-from .kept_sets.kept import _merged, _renormalised, _selected
+from .kept_sets.kept import kept_logprob_entropy, kept_sets_with_a_label, selected_logprobs
 from .passes.routes import _fused, _no_tokens
 from .common.losses import PerTokenLoss, PolicyLoss, PolicyLossResult, aggregation_weights, per_token_loss
 from .common.options import KernelParams, LogprobEntropy, VocabParallel  # noqa: F401  (KernelParams: the passes' form of the arguments)
@@ -149,29 +149,20 @@ def linear_logprob_entropy(
         return _no_tokens(hidden, weight, labels is not None,
                           None if selected_ids is None else selected_ids.shape[1], kept)
     if kept:
-        groups = None
-        if truncation is not None and ops.invariant(p.backend) and not parallel.sequence_parallel:
-            groups = truncation._groups(p.n, v_total)
-        if groups is not None:  # each request's kept set made as its own options make it
-            def group(index: torch.Tensor, t: Truncation, first: bool) -> LogprobEntropy:
-                i = index.to(hidden.device)
-                temp = temperature
-                if isinstance(temp, torch.Tensor) and temp.dim() == 1 and temp.shape[0] == p.n:
-                    temp = temp[i.to(temp.device)]
-                h = hidden.index_select(0, i)
-                # one placeholder a backward: the groups' would add into a dense [V, H] zeros
-                pg = _prepare(h, weight, labels[i.to(labels.device)], temp, logit_scale, ignore_index,
-                              parallel, chunk_size, backend, accumulator=weight_grad_accumulator,
-                              dummy_weight_grad=placeholder_weight_grad and first,
-                              batch_invariant=batch_invariant)
-                return _renormalised(h, weight, pg, t, None, v_total, index)
+        def prepare_group(h: torch.Tensor, index: torch.Tensor, first: bool) -> KernelParams:
+            # a group's tokens, as this call's arguments make them (its placeholder: the first's)
+            temp = temperature
+            if isinstance(temp, torch.Tensor) and temp.dim() == 1 and temp.shape[0] == p.n:
+                temp = temp[index.to(temp.device)]
+            return _prepare(h, weight, labels[index.to(labels.device)], temp, logit_scale,
+                            ignore_index, parallel, chunk_size, backend,
+                            accumulator=weight_grad_accumulator,
+                            dummy_weight_grad=placeholder_weight_grad and first,
+                            batch_invariant=batch_invariant)
 
-            return _merged([group(index, t, j == 0) for j, (index, t) in enumerate(groups)],
-                           [index for index, _ in groups], hidden.device)
-        return _renormalised(hidden, weight, p, truncation, kept_ids, v_total)
+        return kept_logprob_entropy(hidden, weight, p, v_total, truncation, kept_ids, prepare_group)
     if selected_ids is not None:
-        ids, bad = _id_matrix("selected_ids", selected_ids, p.n, v_total, hidden.device, p.valid)
-        return _selected(hidden, weight, _nan_where(p, bad), ids, with_label=labels is not None)
+        return selected_logprobs(hidden, weight, p, selected_ids, v_total, with_label=labels is not None)
     logprob, entropy, logz, best = stats_op.stats(hidden, weight, p)
     if labels is None:
         return LogprobEntropy(None, entropy, logz)
@@ -371,22 +362,9 @@ def linear_policy_loss(
     if kept_ids is not None or truncation is not None:
         fn.check_inputs(tensors)
         counted = p.valid & (tw != 0)
-        if isinstance(kept_ids, torch.Tensor) and kept_ids.dim() == 2 and kept_ids.shape[0] == p.n:
-            # a counted token was sampled from something: not an empty row
-            kept_ids = kept_ids.to(hidden.device)
-            empty = counted & ~(kept_ids >= 0).any(dim=1)
-            if check_values(empty) and bool(empty.any()):
-                i = int(empty.nonzero()[0])
-                raise ValueError(
-                    f"kept_ids: token {i} counts in the loss (token_weight {float(tw[i]):g}) but its "
-                    f"kept set is empty (all -1): the mask is short or shifted against the labels "
-                    f"({int(empty.sum())} token(s))")
-            # unchecked: given one id other than its label, the token is a label outside its
-            # set, NaN with NaN gradients (an empty row has no logit a gradient could reach)
+        if kept_ids is not None:
             v_total = weight.shape[0] * group_rank_size(parallel.group)[1]
-            first = torch.arange(kept_ids.shape[1], device=hidden.device) == 0
-            other = ((p.labels + 1) % v_total).to(kept_ids.dtype).unsqueeze(1)
-            kept_ids = torch.where(empty.unsqueeze(1) & first, other, kept_ids)
+            kept_ids = kept_sets_with_a_label(kept_ids, p, counted, tw, v_total)
         r = linear_logprob_entropy(
             hidden, weight, labels, temperature=temperature, logit_scale=logit_scale,
             ignore_index=ignore_index, parallel=parallel, chunk_size=chunk_size, backend=backend,

@@ -3,8 +3,9 @@ or a rollout engine's truncation recomputed from the trainer's logits), and give
 under the full distribution.
 
 :mod:`.truncation` holds the options (:class:`~.truncation.Truncation`) and each engine's rule,
-:mod:`.nucleus` the floor pass for sets as wide as the vocabulary, and :mod:`.kept` the passes
-:func:`mcore_hooks.kernels.linear_logprob_entropy` runs for them, over :mod:`..passes`.
+:mod:`.nucleus` the floor pass for sets as wide as the vocabulary, and :mod:`.kept` the routes
+:func:`mcore_hooks.kernels.linear_logprob_entropy` takes for them (and the kept ids a policy
+loss hands it), over :mod:`..passes`.
 
 The highest layer below the entry points: nothing else in :mod:`mcore_hooks.kernels` imports it.
 """

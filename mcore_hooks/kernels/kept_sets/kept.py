@@ -8,7 +8,7 @@ statistics from :mod:`..passes.stats_op`."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -23,6 +23,50 @@ from ..common.debug import check_values
 from ..common.dispatch import call
 from ..common.options import KernelParams, LogprobEntropy
 from .truncation import Truncation
+
+
+def kept_logprob_entropy(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams, v_total: int,
+                         truncation: Optional[Truncation], kept_ids: Optional[torch.Tensor],
+                         prepare_group: Callable[[torch.Tensor, torch.Tensor, bool], KernelParams],
+                         ) -> LogprobEntropy:
+    """The kept-set route of :func:`~mcore_hooks.kernels.linear_logprob_entropy`: the call's
+    tokens renormalised over their kept sets, or, where a truncation's requests make their sets
+    in more than one way (:meth:`Truncation._groups`), each group as its own options make it
+    (``prepare_group(hidden rows, their indices, first group)``: that group's params), merged
+    back into the call's order."""
+    groups = None  # (not under sequence parallelism: the rows are gathered from every rank)
+    if truncation is not None and ops.invariant(p.backend) and not p.sequence_parallel:
+        groups = truncation._groups(p.n, v_total)
+    if groups is None:
+        return _renormalised(hidden, weight, p, truncation, kept_ids, v_total)
+    parts = []
+    for j, (index, t) in enumerate(groups):
+        i = index.to(hidden.device)
+        h = hidden.index_select(0, i)
+        # one placeholder a backward: the groups' would add into a dense [V, H] zeros
+        parts.append(_renormalised(h, weight, prepare_group(h, i, j == 0), t, None, v_total, index))
+    return _merged(parts, [index for index, _ in groups], hidden.device)
+
+
+def kept_sets_with_a_label(kept_ids: torch.Tensor, p: KernelParams, counted: torch.Tensor,
+                           token_weight: torch.Tensor, v_total: int) -> torch.Tensor:
+    """``kept_ids`` for a policy loss: a counted token was sampled from something, so an empty
+    row (all -1) among them is refused where values are checked, and unchecked made the set of
+    one id other than its label (the token's label is then outside its set: NaN, with NaN
+    gradients; an empty row has no logit a gradient could reach)."""
+    if not (isinstance(kept_ids, torch.Tensor) and kept_ids.dim() == 2 and kept_ids.shape[0] == p.n):
+        return kept_ids  # the log-prob pass refuses it, named
+    kept_ids = kept_ids.to(p.labels.device)
+    empty = counted & ~(kept_ids >= 0).any(dim=1)
+    if check_values(empty) and bool(empty.any()):
+        i = int(empty.nonzero()[0])
+        raise ValueError(
+            f"kept_ids: token {i} counts in the loss (token_weight {float(token_weight[i]):g}) but "
+            f"its kept set is empty (all -1): the mask is short or shifted against the labels "
+            f"({int(empty.sum())} token(s))")
+    first = torch.arange(kept_ids.shape[1], device=kept_ids.device) == 0
+    other = ((p.labels + 1) % v_total).to(kept_ids.dtype).unsqueeze(1)
+    return torch.where(empty.unsqueeze(1) & first, other, kept_ids)
 
 
 def _renormalised(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
@@ -99,11 +143,14 @@ def _truncated(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
     return kept, outside, bad
 
 
-def _selected(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams, ids: torch.Tensor,
-              with_label: bool) -> LogprobEntropy:
-    """Log-probs of ``ids`` (and of the labels) under the full distribution: one statistics pass
-    that also makes the ids' logits, the label's among them (no label of its own: its log-prob
-    output is then ``-logZ``, with the gradient ``-p``), one backward taking both gradients."""
+def selected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, p: KernelParams,
+                      selected_ids: torch.Tensor, v_total: int, with_label: bool) -> LogprobEntropy:
+    """Log-probs of ``selected_ids`` (and of the labels) under the full distribution: one
+    statistics pass that also makes the ids' logits, the label's among them (no label of its
+    own: its log-prob output is then ``-logZ``, with the gradient ``-p``), one backward taking
+    both gradients. Ids out of range are refused where values are checked, NaN where not."""
+    ids, bad = _id_matrix("selected_ids", selected_ids, p.n, v_total, hidden.device, p.valid)
+    p = _nan_where(p, bad)
     none = torch.full_like(p.labels, -1)
     cols = torch.cat([ids, torch.where(p.valid, p.labels, -1).unsqueeze(1)], dim=1) if with_label else ids
     out = call(stats_op.logsoftmax_stats, hidden, weight, none, p.valid, p.coef, p.vocab_start,
