@@ -199,3 +199,16 @@ def test_a_loss_of_your_own_names_its_per_sequence_inputs():
     a = processor(**_keywords({"advantages": adv, "seq_weight": w}))
     b = processor(**_keywords({"advantages": expand(adv), "seq_weight": expand(w)}))
     assert torch.equal(a["loss"], b["loss"]) and a["loss"] != 0
+
+
+def test_a_loss_without_advantages_takes_nothing_one_per_sequence():
+    """The default per-sequence input, advantages, is offered only to a loss that takes it: a
+    loss of other inputs is told its inputs are per token, without naming advantages."""
+    def plain(logprob, entropy, *, old_logprobs):
+        return (logprob - old_logprobs) ** 2
+
+    processor = PolicyLossProcessor(loss=per_token_loss(plain, needs_entropy=False))
+    assert processor.sequence_inputs() == ()
+    with pytest.raises(ValueError, match=r"\['old_logprobs'\]: expected a \[b, s\] = \(2, 6\) tensor "
+                       r"\(one per token\), got \(2,\)"):
+        processor(**_keywords({"old_logprobs": torch.zeros(2)}))

@@ -209,8 +209,10 @@ class PolicyLossProcessor(_FusedProcessor):
         """The inputs that may come one per sequence, ``[b]`` (one per packed sequence with
         packed THD input), each spread over its sequence's tokens: the loss's
         ``sequence_inputs`` where it has that attribute, else ``("advantages",)`` (GRPO's
-        advantages are one per sequence; log-probs are per token)."""
-        return tuple(getattr(self.loss.fn, "sequence_inputs", ("advantages",)))
+        advantages are one per sequence; log-probs are per token), where the loss takes it."""
+        names = getattr(self.loss.fn, "sequence_inputs", ("advantages",))
+        accepted = self.loss.accepted  # None: a function taking **inputs, any name
+        return tuple(n for n in names if accepted is None or n in accepted)
 
     @staticmethod
     def _per_sequence(name: str, t: torch.Tensor, seq: torch.Tensor, num_sequences: int,
