@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -58,8 +59,10 @@ try:
     from hypothesis import settings
     from hypothesis.configuration import set_hypothesis_home_dir
 
-    # its caches (the constants it draws from the code) in the temporary directory, not the clone
-    set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "mcore-hooks-hypothesis"))
+    # its caches (the constants it draws from the code) in the temporary directory, not the
+    # clone; one per Python (CI runs its two lines side by side, each its own hypothesis)
+    set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(),
+                                         f"mcore-hooks-hypothesis-py{sys.version_info[0]}{sys.version_info[1]}"))
 
     # No example database: a run leaves no .hypothesis/ in the clone; a failure prints the blob
     # that replays it (@reproduce_failure).

@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import os
-import datetime
 import queue as queue_module
 import time
 import traceback
@@ -17,14 +17,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(module: str, name: str, rank: int, world: int, port: int, results: Any,
-            environ: dict) -> None:
+def _worker(module: str, name: str, rank: int, world: int, port: int, timeout: float,
+            results: Any, environ: dict) -> None:
     os.environ.clear()  # the caller's, as a spawned rank has it (not the fork server's)
     os.environ.update(environ)
     reported = False
     try:
         torch.set_num_threads(1)  # the ranks share a small CPU box
-        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=240))
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=timeout))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         try:
             fn = getattr(importlib.import_module(module), name)
@@ -70,7 +70,7 @@ def run_gloo_ranks(fn: Callable[[int, int], Any], world: int, timeout: float = 2
     # the group's store served from here, on a port the system picks: no probe to race
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     port = store.port
-    procs = [ctx.Process(target=_worker, args=(fn.__module__, fn.__name__, r, world, port, results,
+    procs = [ctx.Process(target=_worker, args=(fn.__module__, fn.__name__, r, world, port, timeout, results,
                                                dict(os.environ)),
                          daemon=True) for r in range(world)]
     outputs: dict[int, Any] = {}

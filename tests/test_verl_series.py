@@ -174,7 +174,7 @@ def _sdist() -> Path:
     path = _cache_dir() / f"verl-{VERL_VERSION}.tar.gz"
     if path.exists() and _sha256(path) == SDIST_SHA256:
         return path
-    partial = path.with_suffix(".part")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.part")  # CI's two lines may both fetch it
     try:
         with urllib.request.urlopen(SDIST_URL, timeout=120) as response, open(partial, "wb") as f:
             shutil.copyfileobj(response, f)
