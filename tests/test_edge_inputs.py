@@ -10,8 +10,8 @@ import math
 import pytest
 import torch
 
-from mcore_hooks.kernels import (PolicyLoss, Truncation, linear_cross_entropy, linear_logprob_entropy,
-                                 linear_policy_loss)
+from mcore_hooks.kernels import (PolicyLoss, Truncation, VocabParallel, linear_cross_entropy,
+                                 linear_logprob_entropy, linear_policy_loss)
 from mcore_hooks.kernels.common.debug import debug_checks
 
 pytestmark = pytest.mark.release_independent
@@ -320,13 +320,15 @@ def test_a_loss_divided_in_place_before_its_backward(case):
         assert (a is None and b is None) or torch.equal(a, b)
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp-flag-one-rank"])
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-def test_a_requests_truncation_is_its_own_beside_wider_ones(engine):
+def test_a_requests_truncation_is_its_own_beside_wider_ones(engine, sequence_parallel):
     """Per-request ``top_k``: the kept set's width is the call's largest, and the width chose
     how the kept logits were made (gathered rows up to ``V / 1024``, a dense product beyond):
     a request with ``top_k=8`` alone and beside ones with 20/40/60 differed (4.8e-7 in log-prob
     and entropy, every dX row; here dX's rows, 2.4e-7). Tokens are now grouped by their own
-    width, each group's set as wide as its own options make it."""
+    width, each group's set as wide as its own options make it; also where the layout says
+    sequence parallel on one rank (nothing gathered: the groups' rows are the call's)."""
     v, h, per = 65536, 16, 8  # alone: 33 kept columns, gathered (<= V / 1024); beside: 81, dense
     g = torch.Generator().manual_seed(21)
     w0 = torch.randn(v, h, generator=g) / 2
@@ -341,7 +343,7 @@ def test_a_requests_truncation_is_its_own_beside_wider_ones(engine):
         t = Truncation(top_k=torch.tensor(ks).repeat_interleave(per)[order], top_p=0.95, engine=engine)
         temperature = torch.linspace(0.6, 1.3, 4 * per)[:n][order]  # each token its own
         r = linear_logprob_entropy(x[order], w, y[:n][order], truncation=t, temperature=temperature,
-                                   backend="torch")
+                                   backend="torch", parallel=VocabParallel(sequence_parallel=sequence_parallel))
         (r.logprob.sum() + r.entropy.sum()).backward()
         mine = (order < per).nonzero().squeeze(1)  # the first request's tokens, in its order
         mine = mine[order[mine].argsort()]
